@@ -1,0 +1,225 @@
+"""te-fusedadam-offload: the command line of the patch set."""
+
+import argparse
+import shutil
+import sys
+import tempfile
+from pathlib import Path
+
+from . import __version__
+from .drift import CONFLICT, drift
+from .errors import ToolError
+from .paths import repo_root
+from .series import compare_dirs, generate, load_series, patch_files, patches_dir
+from .target import APPLIED, DRIFTED, Target, apply, file_report, find_target, revert, status
+from .upstream import fetch_pinned, load_pin, pristine_tree
+
+
+def _repo():
+    root = repo_root()
+    if root is None:
+        raise ToolError("this command works in a checkout of the patch set's repository")
+    return root
+
+
+def materialize(dest, wheel=None):
+    """Pristine pinned TE + the series, unpacked into `dest`/transformer_engine."""
+    pin = load_pin()
+    dest = Path(dest)
+    tree = dest / pin["subtree"]
+    if tree.exists():
+        raise ToolError(
+            f"{tree} already exists; remove it first (after 'refresh', if it holds edits "
+            "you want to keep)"
+        )
+    dest.mkdir(parents=True, exist_ok=True)
+    shutil.copytree(pristine_tree(wheel) / pin["subtree"], tree)
+    try:
+        message = apply(Target(dest, "tree"))
+    except ToolError:
+        shutil.rmtree(tree)
+        raise
+    return f"{tree}: {pin['package']} {pin['version']} + series ({message})"
+
+
+def cmd_materialize(args):
+    """Unpack the pinned release and apply the series for reading, editing and testing."""
+    print(materialize(args.dest or _repo(), args.wheel))
+
+
+def _series_sources(tree_root):
+    """A directory laid out like the repository, with the upstream tree from `tree_root`."""
+    repo = _repo()
+    overlay = Path(tempfile.mkdtemp())
+    subtree = load_pin()["subtree"]
+    for entry in load_series()["patch"]:
+        for rel in entry["paths"]:
+            src = (Path(tree_root) if rel.startswith(subtree + "/") else repo) / rel
+            dst = overlay / rel
+            dst.parent.mkdir(parents=True, exist_ok=True)
+            if src.is_file():
+                shutil.copyfile(src, dst)
+    return overlay
+
+
+def cmd_refresh(args):
+    """Regenerate patches/ from the materialized tree and the repository's own files."""
+    repo = _repo()
+    subtree = load_pin()["subtree"]
+    with tempfile.TemporaryDirectory() as tmp:
+        if args.check:
+            # From a fresh clone: the series applied to the pristine release must regenerate
+            # itself byte for byte, together with the repository's own files.
+            materialize(Path(tmp) / "tree", args.wheel)
+            tree_root = Path(tmp) / "tree"
+        else:
+            tree_root = repo
+            if not (repo / subtree).is_dir():
+                raise ToolError(f"{repo / subtree} does not exist; run 'materialize' first")
+        overlay = _series_sources(tree_root)
+        try:
+            out = generate(overlay, Path(tmp) / "out", args.wheel)
+        finally:
+            shutil.rmtree(overlay)
+        changed = compare_dirs(patches_dir(), out)
+        if args.check:
+            if changed:
+                raise ToolError(
+                    "patches/ is stale: 'refresh' would change " + ", ".join(changed)
+                )
+            print(f"patches/ is up to date ({len(patch_files())} patches)")
+            return
+        for old in patches_dir().iterdir():
+            old.unlink()
+        for new in out.iterdir():
+            shutil.copyfile(new, patches_dir() / new.name)
+    print("patches/ refreshed" + (": " + ", ".join(changed) if changed else " (no change)"))
+
+
+def _target(args):
+    return find_target(args.path, args.installed)
+
+
+def cmd_status(args):
+    """Tell whether the series is applied, not applied, or drifted, per patch and file."""
+    target = _target(args)
+    rows, overall = status(target)
+    print(f"{target}: {overall}")
+    for name, state, detail in rows:
+        print(f"  {name}: {state}" + (f" ({detail})" if detail else ""))
+    for rel, state in file_report(target):
+        print(f"  {rel}: {state}")
+    return 0
+
+
+def cmd_check(args):
+    """Exit 0 if the series is applied or applies cleanly, 1 if the target drifted."""
+    target = _target(args)
+    rows, overall = status(target)
+    print(f"{target}: {overall}")
+    for name, state, detail in rows:
+        print(f"  {name}: {state}" + (f" ({detail})" if detail else ""))
+    return 1 if overall == DRIFTED else 0
+
+
+def cmd_apply(args):
+    """Apply the series (idempotent, all or nothing)."""
+    target = _target(args)
+    print(f"{target}: {apply(target)}")
+    _, overall = status(target)
+    if overall != APPLIED:
+        raise ToolError(f"after applying, the series reads as {overall}")
+
+
+def cmd_revert(args):
+    """Take the series out, restoring the exact files it changed."""
+    target = _target(args)
+    print(f"{target}: {revert(target)}")
+    for rel, state in file_report(target):
+        print(f"  {rel}: {state}")
+
+
+def cmd_drift(args):
+    """Try the series against other releases; exit 1 if one conflicts."""
+    report = drift(args.versions)
+    worst = 0
+    for version, (sha, rows) in report.items():
+        print(f"{load_pin()['package']} {version} (sha256 {sha}):")
+        for name, result, detail in rows:
+            print(f"  {name}: {result}" + (f" ({detail})" if detail else ""))
+            worst = max(worst, 1 if result == CONFLICT else 0)
+    return worst
+
+
+def cmd_fetch(args):
+    """Download and verify the pinned release; print its path."""
+    print(fetch_pinned(args.wheel))
+
+
+def build_parser():
+    """The argument parser."""
+    parser = argparse.ArgumentParser(
+        prog="te-fusedadam-offload",
+        description=(
+            "Materialize, apply, check, revert and refresh the FusedAdam "
+            "state_dict_cpu_offload patch series for TransformerEngine."
+        ),
+    )
+    parser.add_argument("--version", action="version", version=__version__)
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    def add(name, func, help_text):
+        p = sub.add_parser(name, help=help_text, description=help_text)
+        p.set_defaults(func=func)
+        return p
+
+    wheel_help = "use this copy of the pinned wheel instead of downloading it (checked by sha256)"
+    p = add("fetch", cmd_fetch, cmd_fetch.__doc__)
+    p.add_argument("--wheel", help=wheel_help)
+    p = add("materialize", cmd_materialize, cmd_materialize.__doc__)
+    p.add_argument("--dest", help="directory to hold transformer_engine/ (default: the repo)")
+    p.add_argument("--wheel", help=wheel_help)
+    p = add("refresh", cmd_refresh, cmd_refresh.__doc__)
+    p.add_argument(
+        "--check", action="store_true", help="only check that patches/ is up to date (for CI)"
+    )
+    p.add_argument("--wheel", help=wheel_help)
+    for name, func in (
+        ("apply", cmd_apply),
+        ("check", cmd_check),
+        ("revert", cmd_revert),
+        ("status", cmd_status),
+    ):
+        p = add(name, func, func.__doc__)
+        group = p.add_mutually_exclusive_group()
+        group.add_argument(
+            "path",
+            nargs="?",
+            help="a TE source checkout or a directory holding transformer_engine/",
+        )
+        group.add_argument(
+            "--installed",
+            action="store_true",
+            help="the TE installed in this Python environment (the default without a path)",
+        )
+    p = add("drift", cmd_drift, cmd_drift.__doc__)
+    p.add_argument(
+        "versions",
+        nargs="*",
+        help="releases to try (default: the pinned minor series and the newest)",
+    )
+    return parser
+
+
+def main(argv=None):
+    """Entry point; returns the exit status."""
+    args = build_parser().parse_args(argv)
+    try:
+        return args.func(args) or 0
+    except ToolError as exc:
+        print(f"te-fusedadam-offload {args.command}: error: {exc}", file=sys.stderr)
+        return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

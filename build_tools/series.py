@@ -1,0 +1,217 @@
+"""The series: its metadata (series.toml), its patches, and regenerating them with git."""
+
+import filecmp
+import hashlib
+import os
+import re
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+try:
+    import tomllib
+except ModuleNotFoundError:  # Python 3.10
+    import tomli as tomllib
+
+from .errors import ToolError
+from .paths import data_file
+from .upstream import load_pin, pristine_tree
+
+PLACEHOLDER_SUBJECT = "*** SUBJECT HERE ***"
+PLACEHOLDER_BLURB = "*** BLURB HERE ***"
+
+
+def load_series():
+    """series.toml as a dict: author, cover, patch (list)."""
+    with open(data_file("series.toml"), "rb") as f:
+        series = tomllib.load(f)
+    if not series.get("patch"):
+        raise ToolError("series.toml lists no [[patch]]")
+    return series
+
+
+def patches_dir():
+    """The directory of the generated series."""
+    return data_file("patches")
+
+
+def patch_files(directory=None):
+    """The patches of the series, in order, as listed by patches/series (no cover letter)."""
+    directory = Path(directory) if directory is not None else patches_dir()
+    series_file = directory / "series"
+    if not series_file.is_file():
+        raise ToolError(f"{series_file} is missing; run 'refresh'")
+    names = [line.strip() for line in series_file.read_text().splitlines() if line.strip()]
+    missing = [n for n in names if not (directory / n).is_file()]
+    if missing:
+        raise ToolError(f"{directory} lacks {', '.join(missing)} named in its series file")
+    return [directory / n for n in names]
+
+
+def git(args, cwd, env=None, check=True, input_text=None):
+    """Run git; raise ToolError with its output if it fails and `check`."""
+    full_env = dict(os.environ)
+    for key in ("GIT_DIR", "GIT_WORK_TREE", "GIT_INDEX_FILE"):
+        full_env.pop(key, None)
+    full_env.update(env or {})
+    result = subprocess.run(
+        ["git", *args],
+        cwd=cwd,
+        env=full_env,
+        capture_output=True,
+        text=True,
+        input=input_text,
+        check=False,
+    )
+    if check and result.returncode != 0:
+        raise ToolError(f"git {' '.join(args)} failed:\n{result.stderr.strip()}")
+    return result
+
+
+def _identity_env(author):
+    name, email, date = author["name"], author["email"], author["date"]
+    return {
+        "GIT_AUTHOR_NAME": name,
+        "GIT_AUTHOR_EMAIL": email,
+        "GIT_AUTHOR_DATE": date,
+        "GIT_COMMITTER_NAME": name,
+        "GIT_COMMITTER_EMAIL": email,
+        "GIT_COMMITTER_DATE": date,
+        "GIT_CONFIG_NOSYSTEM": "1",
+        "GIT_CONFIG_GLOBAL": os.devnull,
+        "TZ": "UTC",
+    }
+
+
+def _message(entry, author):
+    body = entry.get("body", "").strip()
+    sign_off = f"Signed-off-by: {author['name']} <{author['email']}>"
+    return f"{entry['subject']}\n\n{body}\n\n{sign_off}\n" if body else f"{entry['subject']}\n\n{sign_off}\n"
+
+
+def generate(source_root, out_dir, wheel=None):
+    """Write the series made from the files under `source_root` into `out_dir` (created).
+
+    `source_root` holds the edited `transformer_engine/` tree and the repository's own new
+    files, at the paths series.toml names. Commits are made on top of the pristine release
+    with fixed identity and dates, so the output depends only on the files and series.toml.
+    """
+    series = load_series()
+    author = series["author"]
+    env = _identity_env(author)
+    source_root = Path(source_root)
+    pristine = pristine_tree(wheel)
+    pin = load_pin()
+    with tempfile.TemporaryDirectory() as work:
+        repo = Path(work) / "te"
+        shutil.copytree(pristine, repo)
+        git(["init", "-q", "-b", "base"], repo, env)
+        git(["add", "-A"], repo, env)
+        git(
+            ["commit", "-q", "-m", f"{pin['package']} {pin['version']} (pristine)"],
+            repo,
+            env,
+        )
+        base = git(["rev-parse", "HEAD"], repo, env).stdout.strip()
+        for entry in series["patch"]:
+            for rel in entry["paths"]:
+                src = source_root / rel
+                if not src.is_file():
+                    raise ToolError(f"{src} does not exist (named by '{entry['subject']}')")
+                dst = repo / rel
+                dst.parent.mkdir(parents=True, exist_ok=True)
+                shutil.copyfile(src, dst)
+                git(["add", rel], repo, env)
+            if not git(["diff", "--cached", "--quiet"], repo, env, check=False).returncode:
+                raise ToolError(f"'{entry['subject']}' changes nothing")
+            git(["commit", "-q", "-F", "-"], repo, env, input_text=_message(entry, author))
+        out_dir = Path(out_dir)
+        out_dir.mkdir(parents=True, exist_ok=True)
+        git(
+            [
+                "-c",
+                "core.abbrev=12",
+                "-c",
+                "diff.noprefix=false",
+                "format-patch",
+                "-q",
+                "--cover-letter",
+                "--no-signature",
+                "--zero-commit",
+                "--no-binary",
+                "--stat=80",
+                "-o",
+                str(out_dir),
+                f"{base}..HEAD",
+            ],
+            repo,
+            env,
+        )
+    cover = next(out_dir.glob("0000-cover-letter.patch"))
+    text = cover.read_text()
+    text = text.replace(PLACEHOLDER_SUBJECT, series["cover"]["subject"], 1)
+    base_line = f"Based on {pin['package']} {pin['version']} ({pin['artifact']}, sha256 {pin['sha256']})."
+    text = text.replace(
+        PLACEHOLDER_BLURB, series["cover"]["body"].strip() + "\n\n" + base_line, 1
+    )
+    cover.write_text(text)
+    names = sorted(p.name for p in out_dir.glob("[0-9][0-9][0-9][0-9]-*.patch"))
+    names = [n for n in names if not n.startswith("0000-")]
+    (out_dir / "series").write_text("".join(f"{n}\n" for n in names))
+    _write_checksums(pristine, out_dir, source_root, series)
+    return out_dir
+
+
+def _write_checksums(pristine, out_dir, source_root, series):
+    """patches/checksums: sha256 of each upstream file the series changes, before and after."""
+    lines = []
+    for entry in series["patch"]:
+        for rel in entry["paths"]:
+            before = pristine / rel
+            if rel.startswith(load_pin()["subtree"] + "/") and before.is_file():
+                after = source_root / rel
+                lines.append(f"{_sha(before)} {_sha(after)} {rel}\n")
+    (out_dir / "checksums").write_text("".join(lines))
+
+
+def _sha(path):
+    return hashlib.sha256(Path(path).read_bytes()).hexdigest()
+
+
+def load_checksums(directory=None):
+    """{path: (pristine sha256, patched sha256)} for the upstream files the series changes."""
+    directory = Path(directory) if directory is not None else patches_dir()
+    table = {}
+    path = directory / "checksums"
+    if path.is_file():
+        for line in path.read_text().splitlines():
+            before, after, rel = line.split(" ", 2)
+            table[rel] = (before, after)
+    return table
+
+
+def compare_dirs(expected, actual):
+    """Names of files that differ between two series directories (missing counts)."""
+    expected, actual = Path(expected), Path(actual)
+    names = {p.name for p in expected.iterdir()} | {p.name for p in actual.iterdir()}
+    return sorted(
+        n
+        for n in names
+        if not (expected / n).is_file()
+        or not (actual / n).is_file()
+        or not filecmp.cmp(expected / n, actual / n, shallow=False)
+    )
+
+
+def hunk_headers(patch_file):
+    """{(path, old start line): hunk header} of a patch file."""
+    headers = {}
+    path = None
+    for line in Path(patch_file).read_text().splitlines():
+        if line.startswith("+++ "):
+            path = line[4:].split("b/", 1)[-1]
+        m = re.match(r"^@@ -(\d+)(?:,\d+)? \+\d+(?:,\d+)? @@", line)
+        if m and path:
+            headers[(path, int(m.group(1)))] = line
+    return headers

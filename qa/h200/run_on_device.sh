@@ -1,0 +1,54 @@
+#!/usr/bin/env bash
+# Copyright (c) 2022-2026, NVIDIA CORPORATION & AFFILIATES. All rights reserved.
+#
+# See LICENSE for license information.
+#
+# Run the GPU tier on a bare GPU machine that has torch but no TransformerEngine: install real
+# TE from a kit (see CONTRIBUTING.md), patch it with the series, run the chosen stages.
+#   usage: qa/h200/run_on_device.sh KIT_DIR LOG_DIR STAGE...
+#   stages: single  dist  bench  bench_omp1  nightly
+# Every stage logs to LOG_DIR/STAGE.log (JUnit XML and benchmark rows beside it); the script
+# exits non-zero if any stage failed.
+set -uo pipefail
+KIT=${1:?kit dir}; LOG=${2:?log dir}; shift 2
+mkdir -p "$LOG"
+export PYTHONUNBUFFERED=1
+# NVLink multicast stays off on shared hosts.
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+SITE=/tmp/te-site
+if ! PYTHONPATH=$SITE python3 -c "import transformer_engine.pytorch" >/dev/null 2>&1; then
+    start=$(date +%s)
+    line=$(bash "$KIT/install.sh" "$KIT" "$SITE" 2>"$LOG/install.log" | tail -1) || {
+        cat "$LOG/install.log"; exit 1; }
+    echo "TE installed in $(( $(date +%s) - start )) s"
+fi
+export PYTHONPATH=$SITE${PYTHONPATH:+:$PYTHONPATH}
+python3 -m pip install -q --no-index --no-deps --no-build-isolation --target /tmp/tool-site . \
+    >"$LOG/tool-install.log" 2>&1 || { cat "$LOG/tool-install.log"; exit 1; }
+export PATH=/tmp/tool-site/bin:$PATH PYTHONPATH=$PYTHONPATH:/tmp/tool-site
+te-fusedadam-offload apply --installed 2>&1 | tee "$LOG/apply.log" || exit 1
+nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | tee "$LOG/gpu.txt"
+python3 -c "import torch, transformer_engine as t; print('torch', torch.__version__, 'te', t.__version__, 'gpus', torch.cuda.device_count())" | tee -a "$LOG/gpu.txt"
+
+status=0
+run() {  # run NAME COMMAND...: log, time, remember failure
+    local name=$1; shift
+    local t0=$(date +%s)
+    "$@" >"$LOG/$name.log" 2>&1
+    local rc=$?
+    echo "stage $name: rc=$rc in $(( $(date +%s) - t0 )) s"
+    tail -5 "$LOG/$name.log"
+    [ $rc -eq 0 ] || status=1
+}
+BENCH=benchmarks/fused_adam_state_dict/benchmark_state_dict_offload.py
+for stage in "$@"; do
+    case $stage in
+    single) run single timeout 900 python3 -m pytest -q -rs tests/pytorch/test_fused_adam_state_dict_offload.py --junitxml="$LOG/single.xml" ;;
+    dist) run dist timeout 1200 python3 -m pytest -q -rs -s tests/pytorch/distributed/test_fused_adam_state_dict_offload_dcp.py --junitxml="$LOG/dist.xml" ;;
+    bench) run bench timeout 900 python3 $BENCH --csv "$LOG/bench.csv" ${BENCH_ARGS:-} ;;
+    bench_omp1) run bench_omp1 env OMP_NUM_THREADS=1 timeout 900 python3 $BENCH --csv "$LOG/bench.csv" ${BENCH_ARGS:-} ;;
+    nightly) run nightly bash qa/L1_pytorch_fused_adam_state_dict_offload/test.sh ;;
+    *) echo "unknown stage $stage"; status=1 ;;
+    esac
+done
+exit $status

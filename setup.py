@@ -1,0 +1,51 @@
+"""Packaging of the FusedAdam state_dict CPU offload patch series for TransformerEngine.
+
+Installs the tool in build_tools/ as the module te_fusedadam_offload (command
+te-fusedadam-offload) with the series (patches/, series.toml, upstream.json) as its data.
+"""
+
+import shutil
+from pathlib import Path
+
+from setuptools import setup
+from setuptools.command.build_py import build_py
+
+HERE = Path(__file__).resolve().parent
+MODULE = "te_fusedadam_offload"
+DATA = ["upstream.json", "series.toml", "patches"]
+
+
+class BuildWithSeries(build_py):
+    """Copy the series into the package, as te_fusedadam_offload/_data."""
+
+    def run(self):
+        super().run()
+        dest = Path(self.build_lib) / MODULE / "_data"
+        if dest.exists():
+            shutil.rmtree(dest)
+        dest.mkdir(parents=True)
+        for name in DATA:
+            src = HERE / name
+            if src.is_dir():
+                shutil.copytree(src, dest / name)
+            else:
+                shutil.copyfile(src, dest / name)
+
+
+setup(
+    name="te-fusedadam-offload",
+    version="0.1.0",
+    description=(
+        "FusedAdam(state_dict_cpu_offload=True) for NVIDIA TransformerEngine, as a patch "
+        "series with a tool that applies, checks and reverts it"
+    ),
+    long_description=(HERE / "README.md").read_text(encoding="utf-8"),
+    long_description_content_type="text/markdown",
+    license="Apache-2.0",
+    python_requires=">=3.10",
+    packages=[MODULE],
+    package_dir={MODULE: "build_tools"},
+    install_requires=['tomli>=1.1; python_version < "3.11"'],
+    entry_points={"console_scripts": [f"te-fusedadam-offload={MODULE}.cli:main"]},
+    cmdclass={"build_py": BuildWithSeries},
+)

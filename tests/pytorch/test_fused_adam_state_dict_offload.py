@@ -1,0 +1,467 @@
+# Copyright (c) 2022-2026, NVIDIA CORPORATION & AFFILIATES. All rights reserved.
+#
+# See LICENSE for license information.
+
+"""Tests for FusedAdam(state_dict_cpu_offload=True) on one GPU.
+
+The offloaded export is compared bitwise with the default export of the same optimizer
+state, for every moment dtype and master-weight variant, with plain and DTensor
+parameters, and its GPU memory is measured with torch.cuda.max_memory_allocated.
+"""
+
+import copy
+import gc
+import os
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    pytest.skip("FusedAdam state_dict CPU offload tests need a CUDA GPU.", allow_module_level=True)
+
+# pylint: disable=wrong-import-position
+import torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
+
+import transformer_engine.pytorch as te
+from transformer_engine.pytorch.tensor.float8_tensor import Float8Tensor
+
+FusedAdam = te.optimizers.FusedAdam
+
+MiB = 1024**2
+
+# Bound on GPU memory allocated by an offloaded state_dict() above what was allocated before.
+OFFLOAD_GPU_BOUND_BYTES = 64 * MiB
+
+MOMENT_DTYPES = {
+    "fp32": torch.float32,
+    "bf16": torch.bfloat16,
+    "fp16": torch.float16,
+    "fp8": torch.uint8,
+}
+
+# name: (master_weights, master_weight_dtype, store_param_remainders)
+MASTER_VARIANTS = {
+    "no_master": (False, torch.float32, False),
+    "master_fp32": (True, torch.float32, False),
+    "master_fp16": (True, torch.float16, False),
+    "master_fp32_remainders": (True, torch.float32, True),
+}
+
+PARAM_SHAPES = [(257, 33), (1000,), (6, 7, 3), (1,)]
+
+
+@pytest.fixture(scope="module")
+def mesh(tmp_path_factory):
+    """A one-rank CUDA device mesh, for DTensor parameters."""
+    if not dist.is_initialized():
+        store = tmp_path_factory.mktemp("dist") / "store"
+        dist.init_process_group(backend="nccl", init_method=f"file://{store}", rank=0, world_size=1)
+    torch.cuda.set_device(0)
+    yield init_device_mesh("cuda", (1,))
+    dist.destroy_process_group()
+
+
+def _make_params(shapes, dtype, mesh=None, seed=1234):
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    params = []
+    for i, shape in enumerate(shapes):
+        data = torch.randn(shape, generator=gen, device="cuda", dtype=torch.float32).to(dtype)
+        if mesh is not None:
+            placement = Shard(0) if i % 2 == 0 else Replicate()
+            data = distribute_tensor(data, mesh, [placement])
+        params.append(torch.nn.Parameter(data))
+    return params
+
+
+def _set_grads(params, step, seed=4321):
+    gen = torch.Generator(device="cuda").manual_seed(seed + step)
+    for p in params:
+        local = p._local_tensor if isinstance(p, DTensor) else p
+        grad = torch.randn(local.shape, generator=gen, device="cuda").to(local.dtype)
+        if isinstance(p, DTensor):
+            grad = DTensor.from_local(
+                grad, p.device_mesh, p.placements, shape=p.shape, stride=p.stride()
+            )
+        p.grad = grad
+
+
+def _optimizer_kwargs(exp_avg, exp_avg_sq, master, capturable=False):
+    master_weights, master_weight_dtype, store_param_remainders = MASTER_VARIANTS[master]
+    return dict(
+        lr=1e-2,
+        weight_decay=0.01,
+        master_weights=master_weights,
+        master_weight_dtype=master_weight_dtype,
+        store_param_remainders=store_param_remainders,
+        exp_avg_dtype=MOMENT_DTYPES[exp_avg],
+        exp_avg_sq_dtype=MOMENT_DTYPES[exp_avg_sq],
+        capturable=capturable,
+    )
+
+
+def _build(kwargs, mesh=None, steps=3, shapes=PARAM_SHAPES, param_dtype=torch.bfloat16):
+    """Params (the last one never gets a gradient) and an optimizer after `steps` steps."""
+    params = _make_params(shapes, param_dtype, mesh)
+    frozen = _make_params([(4, 4)], param_dtype, mesh, seed=99)[0]
+    opt = FusedAdam([{"params": params}, {"params": [frozen]}, {"params": []}], **kwargs)
+    for step in range(steps):
+        _set_grads(params, step)
+        opt.step()
+    return params, opt
+
+
+def _local(t):
+    return t._local_tensor if isinstance(t, DTensor) else t
+
+
+def _raw_state(opt):
+    """Bitwise snapshot of the live optimizer state: stored bytes, scales and devices."""
+    snapshot = {}
+    for p, state in opt.state.items():
+        for name, value in state.items():
+            local = _local(value)
+            if isinstance(local, Float8Tensor):
+                data = (local._data.clone(), local._scale_inv.clone())
+            else:
+                data = (local.clone(),)
+            snapshot[(id(p), name)] = (value, local.device, local.dtype, data)
+    for p, scales in opt._scales.items():
+        for name, scale in scales.items():
+            snapshot[(id(p), name, "scale")] = (scale, scale.device, scale.dtype, (scale.clone(),))
+    return snapshot
+
+
+def _assert_raw_state_equal(actual, expected, same_objects=True):
+    assert actual.keys() == expected.keys()
+    for key, (obj, device, dtype, data) in expected.items():
+        a_obj, a_device, a_dtype, a_data = actual[key]
+        if same_objects:
+            assert a_obj is obj, key
+        assert (a_device, a_dtype) == (device, dtype), key
+        for a, e in zip(a_data, data):
+            assert torch.equal(a, e), key
+
+
+def _assert_param_groups_equal(actual, expected):
+    assert len(actual) == len(expected)
+    for a, e in zip(actual, expected):
+        assert a.keys() == e.keys()
+        for key in e:
+            if isinstance(e[key], torch.Tensor):
+                assert torch.equal(a[key], e[key]) and a[key].device == e[key].device, key
+            else:
+                assert a[key] == e[key], key
+
+
+def _assert_offloaded_equal(offloaded, reference):
+    """`offloaded` is on CPU and bitwise equal to `reference`, a default export."""
+    _assert_param_groups_equal(offloaded["param_groups"], reference["param_groups"])
+    assert offloaded["state"].keys() == reference["state"].keys()
+    for k, ref_v in reference["state"].items():
+        v = offloaded["state"][k]
+        assert v.keys() == ref_v.keys(), k
+        for name, ref in ref_v.items():
+            out = v[name]
+            assert type(out) is type(ref), (k, name)
+            assert out.dtype == ref.dtype, (k, name)
+            assert out.shape == ref.shape and out.stride() == ref.stride(), (k, name)
+            if isinstance(ref, DTensor):
+                assert out.device_mesh == ref.device_mesh, (k, name)
+                assert out.placements == ref.placements, (k, name)
+                assert out._local_tensor.device.type == "cpu", (k, name)
+                assert out._local_tensor.stride() == ref._local_tensor.stride(), (k, name)
+                assert torch.equal(out._local_tensor, ref._local_tensor.cpu()), (k, name)
+            else:
+                assert out.device.type == "cpu", (k, name)
+                assert torch.equal(out, ref.cpu()), (k, name)
+
+
+def _default_state_dict(opt):
+    """The default export of `opt`, copied so that later steps cannot change it."""
+    offload = opt.state_dict_cpu_offload
+    opt.state_dict_cpu_offload = False
+    try:
+        sd = opt.state_dict()
+    finally:
+        opt.state_dict_cpu_offload = offload
+    sd["state"] = {
+        k: {
+            name: t.clone() if not isinstance(t, DTensor) else _clone_dtensor(t)
+            for name, t in v.items()
+        }
+        for k, v in sd["state"].items()
+    }
+    return sd
+
+
+def _clone_dtensor(t):
+    return DTensor.from_local(
+        t._local_tensor.clone(), t.device_mesh, t.placements, shape=t.shape, stride=t.stride()
+    )
+
+
+def _valid_combinations():
+    for exp_avg in MOMENT_DTYPES:
+        for exp_avg_sq in MOMENT_DTYPES:
+            for master in MASTER_VARIANTS:
+                yield exp_avg, exp_avg_sq, master
+
+
+COMBINATIONS = list(_valid_combinations())
+
+
+@pytest.mark.parametrize("use_dtensor", [False, True], ids=["tensor", "dtensor"])
+@pytest.mark.parametrize("exp_avg,exp_avg_sq,master", COMBINATIONS)
+def test_offloaded_state_dict_matches_default(exp_avg, exp_avg_sq, master, use_dtensor, request):
+    """Every state on CPU, bitwise equal to the default export; live state untouched."""
+    mesh = request.getfixturevalue("mesh") if use_dtensor else None
+    kwargs = _optimizer_kwargs(exp_avg, exp_avg_sq, master)
+    params, opt = _build(dict(kwargs, state_dict_cpu_offload=True), mesh)
+    reference = _default_state_dict(opt)
+    live = _raw_state(opt)
+
+    offloaded = opt.state_dict()
+
+    _assert_offloaded_equal(offloaded, reference)
+    _assert_raw_state_equal(_raw_state(opt), live)
+    frozen_id = len(PARAM_SHAPES)
+    assert frozen_id not in offloaded["state"]  # a param without grad has no state
+    if master == "master_fp32_remainders":
+        for v in offloaded["state"].values():
+            assert _local(v["master_param"]).dtype == torch.int16
+    for v in offloaded["state"].values():
+        for name, t in v.items():
+            if name != "master_param" or master != "master_fp32_remainders":
+                assert t.dtype == torch.float32
+
+    # A step after the export is the same as one without it.
+    params_ref, opt_ref = _build(kwargs, mesh)
+    for p, p_ref in zip(params, params_ref):
+        assert torch.equal(_local(p), _local(p_ref))
+    _set_grads(params, 10)
+    _set_grads(params_ref, 10)
+    opt.step()
+    opt_ref.step()
+    for p, p_ref in zip(params, params_ref):
+        assert torch.equal(_local(p), _local(p_ref))
+    _assert_raw_state_equal(_raw_state(opt), _remap(_raw_state(opt_ref), opt_ref, opt), False)
+
+
+def _remap(snapshot, opt_from, opt_to):
+    """Re-key a raw snapshot of `opt_from` by the matching params of `opt_to`."""
+    ids = {}
+    for g_from, g_to in zip(opt_from.param_groups, opt_to.param_groups):
+        for p_from, p_to in zip(g_from["params"], g_to["params"]):
+            ids[id(p_from)] = id(p_to)
+    return {(ids[key[0]],) + key[1:]: value for key, value in snapshot.items()}
+
+
+@pytest.mark.parametrize("use_dtensor", [False, True], ids=["tensor", "dtensor"])
+@pytest.mark.parametrize(
+    "exp_avg,exp_avg_sq,master",
+    [
+        ("bf16", "bf16", "master_fp32"),
+        ("fp32", "fp32", "no_master"),
+        ("fp16", "fp8", "master_fp16"),
+        ("fp8", "fp8", "master_fp32"),
+        ("bf16", "fp16", "master_fp32_remainders"),
+    ],
+)
+def test_load_offloaded_state_dict(exp_avg, exp_avg_sq, master, use_dtensor, request):
+    """Loading a CPU export gives bitwise the state and training of loading the default one."""
+    mesh = request.getfixturevalue("mesh") if use_dtensor else None
+    kwargs = _optimizer_kwargs(exp_avg, exp_avg_sq, master)
+    params, opt = _build(dict(kwargs, state_dict_cpu_offload=True), mesh)
+    offloaded = opt.state_dict()
+    reference = _default_state_dict(opt)
+
+    runs = []
+    for sd in (offloaded, reference):
+        new_params, new_opt = _build(kwargs, mesh, steps=0)
+        with torch.no_grad():
+            for p_new, p in zip(new_params, params):
+                _local(p_new).copy_(_local(p))
+        new_opt.load_state_dict(sd)
+        loaded = _raw_state(new_opt)
+        for step in range(3):
+            _set_grads(new_params, 20 + step)
+            new_opt.step()
+        runs.append((new_params, new_opt, loaded))
+
+    (params_a, opt_a, loaded_a), (params_b, opt_b, loaded_b) = runs
+    _assert_raw_state_equal(loaded_a, _remap(loaded_b, opt_b, opt_a), same_objects=False)
+    for p_a, p_b in zip(params_a, params_b):
+        assert torch.equal(_local(p_a), _local(p_b))
+    _assert_raw_state_equal(_raw_state(opt_a), _remap(_raw_state(opt_b), opt_b, opt_a), False)
+    # Lossless states come back exactly as they were stored.
+    if exp_avg == exp_avg_sq and exp_avg in ("fp32", "bf16"):
+        for p_a, p in zip(opt_a.param_groups[0]["params"], opt.param_groups[0]["params"]):
+            for name in ("exp_avg", "exp_avg_sq"):
+                assert torch.equal(_local(opt_a.state[p_a][name]), _local(opt.state[p][name]))
+
+
+@pytest.mark.parametrize("moments", ["fp32", "bf16"])
+def test_capturable(moments):
+    """capturable=True: lr and step stay tensors in param_groups, states go to CPU."""
+    kwargs = _optimizer_kwargs(moments, moments, "master_fp32", capturable=True)
+    _, opt = _build(dict(kwargs, state_dict_cpu_offload=True))
+    reference = _default_state_dict(opt)
+    live = _raw_state(opt)
+    _assert_offloaded_equal(opt.state_dict(), reference)
+    _assert_raw_state_equal(_raw_state(opt), live)
+
+
+@pytest.mark.parametrize("use_dtensor", [False, True], ids=["tensor", "dtensor"])
+def test_never_stepped(use_dtensor, request):
+    """An optimizer that never stepped exports no state, like the default path."""
+    mesh = request.getfixturevalue("mesh") if use_dtensor else None
+    kwargs = _optimizer_kwargs("bf16", "bf16", "master_fp32")
+    _, opt = _build(dict(kwargs, state_dict_cpu_offload=True), mesh, steps=0)
+    reference = _default_state_dict(opt)
+    offloaded = opt.state_dict()
+    assert offloaded["state"] == {} == reference["state"]
+    _assert_param_groups_equal(offloaded["param_groups"], reference["param_groups"])
+
+
+def test_default_is_off():
+    """The option defaults to False, and then state_dict() keeps states on GPU."""
+    _, opt = _build(_optimizer_kwargs("bf16", "bf16", "master_fp32"))
+    assert opt.state_dict_cpu_offload is False
+    for v in opt.state_dict()["state"].values():
+        for t in v.values():
+            assert t.is_cuda
+
+
+@pytest.mark.parametrize("value", [1, 0, "yes", None, torch.tensor(True)])
+def test_invalid_option_rejected(value):
+    """A value that is not a bool is rejected at construction."""
+    params = _make_params([(4,)], torch.bfloat16)
+    with pytest.raises(RuntimeError, match="state_dict_cpu_offload"):
+        FusedAdam(params, state_dict_cpu_offload=value)
+
+
+def test_dcp_get_optimizer_state_dict(mesh):  # pylint: disable=unused-argument
+    """DCP's get_optimizer_state_dict(cpu_offload=True) works unchanged and matches."""
+    from torch.distributed.checkpoint.state_dict import (  # pylint: disable=import-outside-toplevel
+        StateDictOptions,
+        get_optimizer_state_dict,
+    )
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(
+        torch.nn.Linear(64, 128), torch.nn.GELU(), torch.nn.Linear(128, 16)
+    ).to(device="cuda", dtype=torch.bfloat16)
+    kwargs = _optimizer_kwargs("bf16", "bf16", "master_fp32")
+    opt = FusedAdam(model.parameters(), state_dict_cpu_offload=True, **kwargs)
+    for _ in range(2):
+        model(torch.randn(8, 64, device="cuda", dtype=torch.bfloat16)).float().sum().backward()
+        opt.step()
+        opt.zero_grad()
+    options = StateDictOptions(flatten_optimizer_state_dict=True, cpu_offload=True)
+    offloaded = get_optimizer_state_dict(model, opt, options=options)
+    opt.state_dict_cpu_offload = False
+    reference = get_optimizer_state_dict(model, opt, options=options)
+    assert offloaded.keys() == reference.keys()
+    for key, ref in reference.items():
+        out = offloaded[key]
+        if isinstance(ref, torch.Tensor):
+            assert out.device.type == "cpu" and out.dtype == ref.dtype, key
+            assert torch.equal(out, ref), key
+        else:
+            assert out == ref, key
+
+
+def _peak_gpu_bytes(fn):
+    """GPU memory allocated by `fn()` at its peak, above what was allocated before."""
+    torch.cuda.synchronize()
+    gc.collect()
+    torch.cuda.reset_peak_memory_stats()
+    before = torch.cuda.memory_allocated()
+    result = fn()
+    torch.cuda.synchronize()
+    return result, torch.cuda.max_memory_allocated() - before
+
+
+def _big_optimizer(total_numel, largest_numel, exp_avg, offload):
+    """BF16 params totalling `total_numel` elements, the largest of `largest_numel`."""
+    sizes = [largest_numel]
+    rest = total_numel - largest_numel
+    while rest > 0:
+        sizes.append(min(rest, largest_numel))
+        rest -= sizes[-1]
+    params = [
+        torch.nn.Parameter(torch.randn(n, device="cuda", dtype=torch.bfloat16)) for n in sizes
+    ]
+    kwargs = _optimizer_kwargs(exp_avg, exp_avg, "master_fp32")
+    opt = FusedAdam(params, state_dict_cpu_offload=offload, **kwargs)
+    for p in params:
+        p.grad = torch.randn_like(p)
+    opt.step()
+    for p in params:
+        p.grad = None
+    return params, opt
+
+
+@pytest.mark.parametrize(
+    "total_log2,largest_log2",
+    [(28, 28), (28, 22), (29, 26)],
+    ids=["one_param_2^28", "many_params_2^22", "total_2^29_largest_2^26"],
+)
+@pytest.mark.parametrize("exp_avg", ["bf16", "fp16", "fp8", "fp32"])
+def test_offload_gpu_memory_bound(total_log2, largest_log2, exp_avg):
+    """The offloaded export allocates at most 64 MiB of GPU memory, at any size."""
+    total, largest = 2**total_log2, 2**largest_log2
+    _, opt = _big_optimizer(total, largest, exp_avg, offload=True)
+    offloaded, peak = _peak_gpu_bytes(opt.state_dict)
+    assert peak <= OFFLOAD_GPU_BOUND_BYTES, f"offloaded export peaked at +{peak / MiB:.1f} MiB"
+    for v in offloaded["state"].values():
+        assert all(t.device.type == "cpu" for t in v.values())
+    del offloaded
+
+    # The default export of the same state needs the FP32 copies of the moments on GPU.
+    opt.state_dict_cpu_offload = False
+    default, default_peak = _peak_gpu_bytes(opt.state_dict)
+    del default
+    if exp_avg != "fp32":
+        assert default_peak >= 8 * total, f"default export peaked at +{default_peak / MiB:.1f} MiB"
+
+
+def _host_pinned_bytes():
+    stats = torch.cuda.host_memory_stats()
+    for key in ("allocated_bytes.current", "allocated_bytes.all.current", "reserved_bytes.current"):
+        if key in stats:
+            return stats[key]
+    pytest.skip(f"torch.cuda.host_memory_stats() has no allocated bytes: {sorted(stats)}")
+    return None
+
+
+def test_repeated_exports_do_not_grow_memory():
+    """20 exports in a row leave GPU and pinned host memory where the first one left them."""
+    _, opt = _big_optimizer(2**26, 2**24, "bf16", offload=True)
+    opt.state_dict()
+    gc.collect()
+    torch.cuda.synchronize()
+    gpu_before, pinned_before = torch.cuda.memory_allocated(), _host_pinned_bytes()
+    for _ in range(20):
+        sd = opt.state_dict()
+        del sd
+    gc.collect()
+    torch.cuda.synchronize()
+    assert torch.cuda.memory_allocated() == gpu_before
+    assert _host_pinned_bytes() == pinned_before
+
+
+@pytest.mark.skipif(os.cpu_count() < 2, reason="needs several CPUs")
+def test_offload_under_torchrun_thread_settings():
+    """With one intra-op thread, as torchrun sets, the export is the same."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        _, opt = _build(
+            dict(_optimizer_kwargs("fp16", "bf16", "master_fp32"), state_dict_cpu_offload=True)
+        )
+        _assert_offloaded_equal(opt.state_dict(), _default_state_dict(opt))
+    finally:
+        torch.set_num_threads(threads)
