@@ -18,17 +18,16 @@ export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVL
 SITE=/tmp/te-site
 if ! PYTHONPATH=$SITE python3 -c "import transformer_engine.pytorch" >/dev/null 2>&1; then
     start=$(date +%s)
-    line=$(bash "$KIT/install.sh" "$KIT" "$SITE" 2>"$LOG/install.log" | tail -1) || {
-        cat "$LOG/install.log"; exit 1; }
+    bash "$KIT/install.sh" "$KIT" "$SITE" >>"$LOG/setup.log" 2>&1 || { tail -40 "$LOG/setup.log"; exit 1; }
     echo "TE installed in $(( $(date +%s) - start )) s"
 fi
 export PYTHONPATH=$SITE${PYTHONPATH:+:$PYTHONPATH}
 python3 -m pip install -q --no-index --no-deps --no-build-isolation --target /tmp/tool-site . \
-    >"$LOG/tool-install.log" 2>&1 || { cat "$LOG/tool-install.log"; exit 1; }
+    >>"$LOG/setup.log" 2>&1 || { tail -40 "$LOG/setup.log"; exit 1; }
 export PATH=/tmp/tool-site/bin:$PATH PYTHONPATH=$PYTHONPATH:/tmp/tool-site
-te-fusedadam-offload apply --installed 2>&1 | tee "$LOG/apply.log" || exit 1
-nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | tee "$LOG/gpu.txt"
-python3 -c "import torch, transformer_engine as t; print('torch', torch.__version__, 'te', t.__version__, 'gpus', torch.cuda.device_count())" | tee -a "$LOG/gpu.txt"
+te-fusedadam-offload apply --installed 2>&1 | tee -a "$LOG/setup.log" || exit 1
+nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | tee -a "$LOG/setup.log"
+python3 -W ignore -c "import torch, transformer_engine as t; print('torch', torch.__version__, 'te', t.__version__, 'gpus', torch.cuda.device_count())" | tee -a "$LOG/setup.log"
 
 status=0
 run() {  # run NAME COMMAND...: log, time, remember failure
@@ -46,8 +45,8 @@ for stage in "$@"; do
     single) run single timeout 900 python3 -m pytest -q -rs tests/pytorch/test_fused_adam_state_dict_offload.py --junitxml="$LOG/single.xml" ;;
     dist) run dist timeout 1200 python3 -m pytest -q -rs -s tests/pytorch/distributed/test_fused_adam_state_dict_offload_dcp.py --junitxml="$LOG/dist.xml" ;;
     bench) run bench timeout 900 python3 $BENCH --csv "$LOG/bench.csv" ${BENCH_ARGS:-} ;;
-    bench_omp1) run bench_omp1 env OMP_NUM_THREADS=1 timeout 900 python3 $BENCH --csv "$LOG/bench.csv" ${BENCH_ARGS:-} ;;
-    nightly) run nightly bash qa/L1_pytorch_fused_adam_state_dict_offload/test.sh ;;
+    bench_omp1) run bench_omp1 env OMP_NUM_THREADS=1 timeout 900 python3 $BENCH --csv "$LOG/bench.csv" ${BENCH_OMP1_ARGS:-${BENCH_ARGS:-}} ;;
+    nightly) run nightly env XML_LOG_DIR="$LOG" bash qa/L1_pytorch_fused_adam_state_dict_offload/test.sh ;;
     *) echo "unknown stage $stage"; status=1 ;;
     esac
 done

@@ -35,7 +35,7 @@ def _torchrun(nproc, test, ckpt_dir, offload=(1, 0)):
         "-m",
         "torch.distributed.run",
         f"--nproc_per_node={nproc}",
-        "--master_port=0",
+        "--standalone",
         str(_WORKER),
         "--test",
         test,
