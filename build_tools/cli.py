@@ -84,9 +84,7 @@ def cmd_refresh(args):
         changed = compare_dirs(patches_dir(), out)
         if args.check:
             if changed:
-                raise ToolError(
-                    "patches/ is stale: 'refresh' would change " + ", ".join(changed)
-                )
+                raise ToolError("patches/ is stale: 'refresh' would change " + ", ".join(changed))
             print(f"patches/ is up to date ({len(patch_files())} patches)")
             return
         for old in patches_dir().iterdir():

@@ -51,7 +51,9 @@ def check_tree(root):
         if result.returncode != 0:
             rows.append((patch.name, CONFLICT, _failure(result, patch)))
         elif re.search(r"offset -?\d+ line", result.stderr + result.stdout):
-            offsets = re.findall(r"Hunk #\d+ succeeded at \d+ \(offset -?\d+ lines?\)", result.stderr)
+            offsets = re.findall(
+                r"Hunk #\d+ succeeded at \d+ \(offset -?\d+ lines?\)", result.stderr
+            )
             rows.append((patch.name, OFFSET, "; ".join(offsets)))
         else:
             rows.append((patch.name, CLEAN, ""))

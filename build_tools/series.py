@@ -42,7 +42,11 @@ def patch_files(directory=None):
     series_file = directory / "series"
     if not series_file.is_file():
         raise ToolError(f"{series_file} is missing; run 'refresh'")
-    names = [line.strip() for line in series_file.read_text().splitlines() if line.strip()]
+    names = [
+        line.strip()
+        for line in series_file.read_text(encoding="utf-8").splitlines()
+        if line.strip()
+    ]
     missing = [n for n in names if not (directory / n).is_file()]
     if missing:
         raise ToolError(f"{directory} lacks {', '.join(missing)} named in its series file")
@@ -87,7 +91,11 @@ def _identity_env(author):
 def _message(entry, author):
     body = entry.get("body", "").strip()
     sign_off = f"Signed-off-by: {author['name']} <{author['email']}>"
-    return f"{entry['subject']}\n\n{body}\n\n{sign_off}\n" if body else f"{entry['subject']}\n\n{sign_off}\n"
+    return (
+        f"{entry['subject']}\n\n{body}\n\n{sign_off}\n"
+        if body
+        else f"{entry['subject']}\n\n{sign_off}\n"
+    )
 
 
 def generate(source_root, out_dir, wheel=None):
@@ -149,16 +157,16 @@ def generate(source_root, out_dir, wheel=None):
             env,
         )
     cover = next(out_dir.glob("0000-cover-letter.patch"))
-    text = cover.read_text()
+    text = cover.read_text(encoding="utf-8")
     text = text.replace(PLACEHOLDER_SUBJECT, series["cover"]["subject"], 1)
-    base_line = f"Based on {pin['package']} {pin['version']} ({pin['artifact']}, sha256 {pin['sha256']})."
-    text = text.replace(
-        PLACEHOLDER_BLURB, series["cover"]["body"].strip() + "\n\n" + base_line, 1
+    base_line = (
+        f"Based on {pin['package']} {pin['version']} ({pin['artifact']}, sha256 {pin['sha256']})."
     )
-    cover.write_text(text)
+    text = text.replace(PLACEHOLDER_BLURB, series["cover"]["body"].strip() + "\n\n" + base_line, 1)
+    cover.write_text(text, encoding="utf-8")
     names = sorted(p.name for p in out_dir.glob("[0-9][0-9][0-9][0-9]-*.patch"))
     names = [n for n in names if not n.startswith("0000-")]
-    (out_dir / "series").write_text("".join(f"{n}\n" for n in names))
+    (out_dir / "series").write_text("".join(f"{n}\n" for n in names), encoding="utf-8")
     _write_checksums(pristine, out_dir, source_root, series)
     return out_dir
 
@@ -172,7 +180,7 @@ def _write_checksums(pristine, out_dir, source_root, series):
             if rel.startswith(load_pin()["subtree"] + "/") and before.is_file():
                 after = source_root / rel
                 lines.append(f"{_sha(before)} {_sha(after)} {rel}\n")
-    (out_dir / "checksums").write_text("".join(lines))
+    (out_dir / "checksums").write_text("".join(lines), encoding="utf-8")
 
 
 def _sha(path):
@@ -185,7 +193,7 @@ def load_checksums(directory=None):
     table = {}
     path = directory / "checksums"
     if path.is_file():
-        for line in path.read_text().splitlines():
+        for line in path.read_text(encoding="utf-8").splitlines():
             before, after, rel = line.split(" ", 2)
             table[rel] = (before, after)
     return table
@@ -208,7 +216,7 @@ def hunk_headers(patch_file):
     """{(path, old start line): hunk header} of a patch file."""
     headers = {}
     path = None
-    for line in Path(patch_file).read_text().splitlines():
+    for line in Path(patch_file).read_text(encoding="utf-8").splitlines():
         if line.startswith("+++ "):
             path = line[4:].split("b/", 1)[-1]
         m = re.match(r"^@@ -(\d+)(?:,\d+)? \+\d+(?:,\d+)? @@", line)

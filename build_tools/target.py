@@ -61,7 +61,7 @@ def find_target(path=None, installed=False):
 def _touched(patch, target):
     """Upstream files a patch changes that this target holds."""
     files = []
-    for line in Path(patch).read_text().splitlines():
+    for line in Path(patch).read_text(encoding="utf-8").splitlines():
         if line.startswith("+++ b/"):
             rel = line[len("+++ b/") :]
             if target.kind == "checkout" or rel.startswith(target.subtree + "/"):
@@ -186,7 +186,7 @@ def revert(target):
 
 def _subject(patch):
     """The commit title that `git am --keep-non-patch` makes of a patch."""
-    lines = Path(patch).read_text().splitlines()
+    lines = Path(patch).read_text(encoding="utf-8").splitlines()
     for i, line in enumerate(lines):
         if line.startswith("Subject: "):
             subject = line[len("Subject: ") :]

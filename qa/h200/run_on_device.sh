@@ -22,7 +22,7 @@ if ! PYTHONPATH=$SITE python3 -c "import transformer_engine.pytorch" >/dev/null 
     echo "TE installed in $(( $(date +%s) - start )) s"
 fi
 export PYTHONPATH=$SITE${PYTHONPATH:+:$PYTHONPATH}
-python3 -m pip install -q --no-index --no-deps --no-build-isolation --target /tmp/tool-site . \
+python3 -m pip install -q --upgrade --no-index --no-deps --no-build-isolation --target /tmp/tool-site . \
     >>"$LOG/setup.log" 2>&1 || { tail -40 "$LOG/setup.log"; exit 1; }
 export PATH=/tmp/tool-site/bin:$PATH PYTHONPATH=$PYTHONPATH:/tmp/tool-site
 te-fusedadam-offload apply --installed 2>&1 | tee -a "$LOG/setup.log" || exit 1

@@ -9,7 +9,6 @@ state, for every moment dtype and master-weight variant, with plain and DTensor
 parameters, and its GPU memory is measured with torch.cuda.max_memory_allocated.
 """
 
-import copy
 import gc
 import os
 
