@@ -1,0 +1,296 @@
+"""Tests of te-fusedadam-offload on the real pinned TE release (downloaded) and on drifted copies.
+
+CPU only. The pinned wheel is fetched once per cache (TE_FUSEDADAM_OFFLOAD_CACHE).
+"""
+
+import filecmp
+import hashlib
+import json
+import os
+import shutil
+import subprocess
+import sys
+import zipfile
+from pathlib import Path
+
+import pytest
+
+from build_tools import cli, drift, series, target, upstream
+from build_tools.errors import ToolError
+
+REPO = Path(__file__).resolve().parents[2]
+FUSED_ADAM = "transformer_engine/pytorch/optimizers/fused_adam.py"
+
+
+@pytest.fixture(scope="session")
+def pristine():
+    """The pinned release's transformer_engine/ tree, unpacked (read only by convention)."""
+    return upstream.pristine_tree()
+
+
+@pytest.fixture
+def tree(pristine, tmp_path):
+    """A writable copy of the pristine release: a directory holding transformer_engine/."""
+    root = tmp_path / "site"
+    shutil.copytree(pristine / "transformer_engine", root / "transformer_engine")
+    return root
+
+
+def _same_tree(a, b):
+    cmp = filecmp.dircmp(a, b)
+    stack = [cmp]
+    while stack:
+        c = stack.pop()
+        if c.left_only or c.right_only or c.diff_files or c.funny_files:
+            return False
+        _, mismatch, errors = filecmp.cmpfiles(c.left, c.right, c.common_files, shallow=False)
+        if mismatch or errors:
+            return False
+        stack.extend(c.subdirs.values())
+    return True
+
+
+def _sha(path):
+    return hashlib.sha256(Path(path).read_bytes()).hexdigest()
+
+
+def _drift_context(root):
+    """Change a context line of the series' first hunk, so that the patch no longer applies."""
+    path = root / FUSED_ADAM
+    text = path.read_text(encoding="utf-8")
+    path.write_text(text.replace("from itertools import chain", "from itertools import chain  # x"))
+
+
+def _offset(root):
+    """Insert lines between two hunks: the series still applies, with an offset."""
+    path = root / FUSED_ADAM
+    text = path.read_text(encoding="utf-8")
+    marker = "    This version of fused Adam implements 2 fusions.\n"
+    assert marker in text
+    path.write_text(text.replace(marker, marker + "\n    (A local note.)\n", 1))
+
+
+def test_pin_matches_the_downloaded_release(pristine):
+    pin = upstream.load_pin()
+    wheel = upstream.fetch_pinned()
+    assert wheel.name == pin["artifact"]
+    assert upstream.sha256_of(wheel) == pin["sha256"]
+    assert (pristine / FUSED_ADAM).is_file()
+    before, _ = series.load_checksums()[FUSED_ADAM]
+    assert _sha(pristine / FUSED_ADAM) == before
+
+
+def test_wrong_hash_is_refused(tmp_path):
+    wheel = upstream.fetch_pinned()
+    bad = tmp_path / wheel.name
+    shutil.copyfile(wheel, bad)
+    with open(bad, "ab") as f:
+        f.write(b"\0")
+    with pytest.raises(ToolError, match="does not match the pinned"):
+        upstream.fetch_pinned(bad)
+    with pytest.raises(ToolError, match="does not exist"):
+        upstream.fetch_pinned(tmp_path / "missing.whl")
+
+
+def test_apply_is_idempotent_and_revert_restores_pristine_bytes(tree, pristine):
+    t = target.find_target(tree)
+    assert t.kind == "tree"
+    assert target.status(t)[1] == target.NOT_APPLIED
+    assert target.file_report(t) == [(FUSED_ADAM, "pristine 2.20.2")]
+
+    assert "applied 1 patch" in target.apply(t)
+    assert target.status(t)[1] == target.APPLIED
+    assert target.file_report(t) == [(FUSED_ADAM, "patched by this series")]
+    assert "state_dict_cpu_offload" in (tree / FUSED_ADAM).read_text(encoding="utf-8")
+    assert target.apply(t) == "already applied; nothing to do"
+
+    assert "reverted 1 patch" in target.revert(t)
+    assert _same_tree(tree / "transformer_engine", pristine / "transformer_engine")
+    assert target.revert(t) == "not applied; nothing to do"
+
+
+def test_drifted_target_is_reported_and_left_unchanged(tree):
+    _drift_context(tree)
+    before = (tree / FUSED_ADAM).read_bytes()
+    t = target.find_target(tree)
+    rows, overall = target.status(t)
+    assert overall == target.DRIFTED
+    detail = [d for _, s, d in rows if s == target.DRIFTED][0]
+    assert FUSED_ADAM in detail and "@@ -5,23 +5,33 @@" in detail
+    assert target.file_report(t) == [(FUSED_ADAM, "differs from both")]
+    with pytest.raises(ToolError, match="drifted"):
+        target.apply(t)
+    with pytest.raises(ToolError, match="drifted"):
+        target.revert(t)
+    assert (tree / FUSED_ADAM).read_bytes() == before
+    assert cli.main(["check", str(tree)]) == 1
+
+
+def test_failed_apply_changes_nothing(tree, monkeypatch, tmp_path):
+    """A series whose second patch does not apply leaves every file as it was."""
+    good = series.patch_files()[0]
+    bad = tmp_path / "0002-bad.patch"
+    bad.write_text(
+        good.read_text(encoding="utf-8").replace(
+            "from itertools import chain\n", "from itertools import product\n"
+        ),
+        encoding="utf-8",
+    )
+    other = tree / "transformer_engine" / "pytorch" / "optimizers" / "fused_sgd.py"
+    text = bad.read_text(encoding="utf-8").replace(FUSED_ADAM, str(other.relative_to(tree)))
+    bad.write_text(text, encoding="utf-8")
+    monkeypatch.setattr(target, "patch_files", lambda: [good, bad])
+    snapshot = {p: p.read_bytes() for p in (tree / "transformer_engine").rglob("*.py")}
+    t = target.find_target(tree)
+    with pytest.raises(ToolError):
+        target.apply(t)
+    assert {p: p.read_bytes() for p in (tree / "transformer_engine").rglob("*.py")} == snapshot
+
+
+def test_offset_applies_and_reverts_exactly(tree):
+    _offset(tree)
+    original = (tree / FUSED_ADAM).read_bytes()
+    rows = drift.check_tree(tree)
+    assert rows[0][1] == drift.OFFSET and "offset 2 lines" in rows[0][2]
+    t = target.find_target(tree)
+    target.apply(t)
+    assert target.status(t)[1] == target.APPLIED
+    target.revert(t)
+    assert (tree / FUSED_ADAM).read_bytes() == original
+
+
+def test_drift_report_on_pristine_and_drifted_trees(tree, pristine):
+    assert [r[1] for r in drift.check_tree(pristine)] == [drift.CLEAN]
+    _drift_context(tree)
+    assert [r[1] for r in drift.check_tree(tree)] == [drift.CONFLICT]
+
+
+def _git(args, cwd):
+    env = dict(os.environ, GIT_AUTHOR_NAME="t", GIT_AUTHOR_EMAIL="t@example.com")
+    env.update(GIT_COMMITTER_NAME="t", GIT_COMMITTER_EMAIL="t@example.com")
+    return subprocess.run(
+        ["git", *args], cwd=cwd, env=env, check=True, capture_output=True, text=True
+    ).stdout
+
+
+def test_checkout_gets_the_series_as_commits(tree):
+    _git(["init", "-q", "-b", "main"], tree)
+    _git(["add", "-A"], tree)
+    _git(["commit", "-qm", "TE 2.20.2"], tree)
+    base = _git(["rev-parse", "HEAD"], tree).strip()
+    t = target.find_target(tree)
+    assert t.kind == "checkout"
+    assert "git am" in target.apply(t)
+    subjects = _git(["log", "--format=%s", "-3"], tree).splitlines()[::-1]
+    assert subjects == [p["subject"] for p in series.load_series()["patch"]]
+    body = _git(["log", "-1", "--format=%B"], tree)
+    assert "Signed-off-by: " in body
+    assert (tree / "tests/pytorch/test_fused_adam_state_dict_offload.py").is_file()
+    assert target.status(t)[1] == target.APPLIED
+    assert target.apply(t) == "already applied; nothing to do"
+    target.revert(t)
+    assert _git(["rev-parse", "HEAD"], tree).strip() == base
+    assert not (tree / "tests").exists()
+    assert target.status(t)[1] == target.NOT_APPLIED
+
+
+@pytest.fixture(scope="session")
+def tool_home(tmp_path_factory):
+    """The tool and its series without the repository's materialized transformer_engine/."""
+    home = tmp_path_factory.mktemp("tool")
+    for name in ("build_tools", "patches"):
+        shutil.copytree(REPO / name, home / name, ignore=shutil.ignore_patterns("__pycache__"))
+    for name in ("series.toml", "upstream.json"):
+        shutil.copyfile(REPO / name, home / name)
+    return home
+
+
+def _run_cli(args, pythonpath, cwd, tool_home):
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(pythonpath), str(tool_home)]))
+    return subprocess.run(
+        [sys.executable, "-m", "build_tools", *args],
+        cwd=cwd,
+        env=env,
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+
+
+def test_installed_target_inside_an_unrelated_git_repo(tree, tmp_path, tool_home):
+    """--installed finds the TE that Python imports; a repository around it is ignored."""
+    outer = tmp_path / "project"
+    site = outer / ".venv" / "site-packages"
+    shutil.move(str(tree / "transformer_engine"), site / "transformer_engine")
+    _git(["init", "-q"], outer)
+    result = _run_cli(["apply", "--installed"], site, outer, tool_home)
+    assert result.returncode == 0, result.stderr
+    assert f"installed TE at {site}" in result.stdout
+    result = _run_cli(["status", "--installed"], site, outer, tool_home)
+    assert "installed TE at" in result.stdout and ": applied" in result.stdout
+    assert _run_cli(["revert"], site, outer, tool_home).returncode == 0
+    assert _sha(site / FUSED_ADAM) == series.load_checksums()[FUSED_ADAM][0]
+
+
+def test_no_installed_te_is_a_clear_error(tmp_path, tool_home):
+    result = _run_cli(["status", "--installed"], tmp_path, tmp_path, tool_home)
+    assert result.returncode == 1
+    assert "transformer_engine is not installed" in result.stderr
+
+
+def test_materialize_gives_pristine_plus_series(tmp_path):
+    message = cli.materialize(tmp_path)
+    assert "2.20.2 + series" in message
+    _, after = series.load_checksums()[FUSED_ADAM]
+    assert _sha(tmp_path / FUSED_ADAM) == after
+    with pytest.raises(ToolError, match="already exists"):
+        cli.materialize(tmp_path)
+
+
+def test_patches_are_up_to_date():
+    """The CI check: the series regenerates itself byte for byte from the repository."""
+    assert cli.main(["refresh", "--check"]) == 0
+
+
+def test_series_is_format_patch_output_with_cover_letter_and_sign_off():
+    names = [p.name for p in series.patch_files()]
+    assert names == sorted(names) and names[0].startswith("0001-")
+    cover = (REPO / "patches" / "0000-cover-letter.patch").read_text(encoding="utf-8")
+    assert "*** SUBJECT HERE ***" not in cover and "*** BLURB HERE ***" not in cover
+    assert "sha256 " + upstream.load_pin()["sha256"] in cover
+    for patch in series.patch_files():
+        text = patch.read_text(encoding="utf-8")
+        assert text.startswith("From 0000000000000000000000000000000000000000 ")
+        assert "\nSigned-off-by: " in text
+
+
+def test_wheel_carries_the_series(tmp_path):
+    """pip install . ships the series and the pin as package data of te_fusedadam_offload."""
+    subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "wheel",
+            "--quiet",
+            "--no-deps",
+            "--no-build-isolation",
+            "-w",
+            str(tmp_path),
+            str(REPO),
+        ],
+        check=True,
+        capture_output=True,
+    )
+    wheel = next(tmp_path.glob("te_fusedadam_offload-*.whl"))
+    names = zipfile.ZipFile(wheel).namelist()
+    assert "te_fusedadam_offload/cli.py" in names
+    assert "te_fusedadam_offload/_data/upstream.json" in names
+    assert "te_fusedadam_offload/_data/patches/series" in names
+    assert not any(n.startswith("build_tools/") for n in names)
+    entry = [n for n in names if n.endswith("entry_points.txt")][0]
+    assert "te-fusedadam-offload = te_fusedadam_offload.cli:main" in zipfile.ZipFile(
+        wheel
+    ).read(entry).decode()
+    pinned = json.loads(zipfile.ZipFile(wheel).read("te_fusedadam_offload/_data/upstream.json"))
+    assert pinned == upstream.load_pin()
