@@ -1,0 +1,136 @@
+# Copyright (c) 2022-2026, NVIDIA CORPORATION & AFFILIATES. All rights reserved.
+#
+# See LICENSE for license information.
+
+"""Plot a run of benchmark_state_dict_offload.py (its JSON lines) as PNG figures.
+
+  python plot_results.py results/h200-te2.20.2/bench.jsonl --out results/h200-te2.20.2
+
+Writes gpu_peak_vs_total.png, gpu_peak_vs_largest.png and throughput.png, each with the
+command that regenerates it in its footer.
+"""
+
+import argparse
+import json
+from pathlib import Path
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # pylint: disable=wrong-import-position
+
+LABELS = {
+    "default_then_cpu": "today: state_dict() then .cpu() (DCP cpu_offload)",
+    "convert_one": "earlier proposal: convert one state on GPU, move, free",
+    "offload": "state_dict_cpu_offload=True",
+}
+MARKERS = {"default_then_cpu": "o", "convert_one": "s", "offload": "^"}
+
+
+def load(path):
+    """Rows of the benchmark, without the env lines."""
+    rows = []
+    with open(path, encoding="utf-8") as f:
+        for line in f:
+            row = json.loads(line)
+            if "mode" in row:
+                rows.append(row)
+    return rows
+
+
+def _footer(fig, source, env):
+    fig.text(
+        0.01,
+        0.01,
+        f"{env}\nregenerate: python benchmarks/fused_adam_state_dict/plot_results.py {source}",
+        fontsize=6,
+        color="gray",
+    )
+
+
+def _env(rows):
+    r = rows[0]
+    return (
+        f"{r['gpu']}, TE {r['te']}, torch {r['torch']}, {r['cpus']} CPUs, BF16 moments + FP32"
+        " master"
+    )
+
+
+def plot_peak(rows, source, out, vary):
+    """Peak GPU memory of the export against total size (largest fixed) or largest size."""
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    threads = max(r["torch_threads"] for r in rows)
+    rows = [r for r in rows if r["torch_threads"] == threads]
+    if vary == "total":
+        fixed = min(r["largest_numel_log2"] for r in rows)
+        sel = [r for r in rows if r["largest_numel_log2"] == fixed]
+        x_key, title = "total_numel_log2", f"largest parameter 2^{fixed} elements"
+    else:
+        fixed = max(r["total_numel_log2"] for r in rows)
+        sel = [r for r in rows if r["total_numel_log2"] == fixed]
+        x_key, title = "largest_numel_log2", f"total 2^{fixed} elements"
+    for mode, label in LABELS.items():
+        pts = sorted((r[x_key], r["gpu_peak_bytes"] / 2**30) for r in sel if r["mode"] == mode)
+        if pts:
+            ax.plot([2**x for x, _ in pts], [y for _, y in pts], marker=MARKERS[mode], label=label)
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("total state elements" if vary == "total" else "largest parameter elements")
+    ax.set_ylabel("peak GPU memory during export (GiB above before)")
+    ax.set_title(f"FusedAdam state_dict export, {title}")
+    ax.grid(True, alpha=0.3)
+    ax.legend(fontsize=8)
+    _footer(fig, source, _env(rows))
+    fig.tight_layout(rect=(0, 0.06, 1, 1))
+    name = "gpu_peak_vs_total.png" if vary == "total" else "gpu_peak_vs_largest.png"
+    fig.savefig(out / name, dpi=120)
+    plt.close(fig)
+
+
+def plot_throughput(rows, source, out):
+    """Export GB/s per mode and size, for each thread setting."""
+    fig, ax = plt.subplots(figsize=(8, 4.5))
+    cases = sorted(
+        {(r["torch_threads"], r["total_numel_log2"], r["largest_numel_log2"]) for r in rows},
+        key=lambda c: (-c[0], c[1], c[2]),
+    )
+    width = 0.27
+    for i, mode in enumerate(LABELS):
+        vals = []
+        for case in cases:
+            hit = [
+                r["gb_per_s"]
+                for r in rows
+                if (r["torch_threads"], r["total_numel_log2"], r["largest_numel_log2"]) == case
+                and r["mode"] == mode
+            ]
+            vals.append(hit[0] if hit else 0)
+        ax.bar([j + (i - 1) * width for j in range(len(cases))], vals, width, label=LABELS[mode])
+    ax.set_xticks(range(len(cases)))
+    ax.set_xticklabels([f"{t} thr\nN=2^{n}\nmax=2^{m}" for t, n, m in cases], fontsize=7)
+    ax.set_ylabel("export throughput, GB/s of CPU output")
+    ax.set_title("FusedAdam state_dict export to CPU (higher is better)")
+    ax.grid(True, axis="y", alpha=0.3)
+    ax.legend(fontsize=8)
+    _footer(fig, source, _env(rows))
+    fig.tight_layout(rect=(0, 0.06, 1, 1))
+    fig.savefig(out / "throughput.png", dpi=120)
+    plt.close(fig)
+
+
+def main():
+    """Parse arguments, write the figures."""
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("jsonl")
+    parser.add_argument("--out", help="directory for the PNGs (default: beside the input)")
+    args = parser.parse_args()
+    rows = load(args.jsonl)
+    out = Path(args.out) if args.out else Path(args.jsonl).parent
+    out.mkdir(parents=True, exist_ok=True)
+    plot_peak(rows, args.jsonl, out, "total")
+    plot_peak(rows, args.jsonl, out, "largest")
+    plot_throughput(rows, args.jsonl, out)
+    print(f"wrote {out}/gpu_peak_vs_total.png, gpu_peak_vs_largest.png, throughput.png")
+
+
+if __name__ == "__main__":
+    main()
