@@ -98,13 +98,18 @@ def _target(args):
     return find_target(args.path, args.installed)
 
 
-def cmd_status(args):
-    """Tell whether the series is applied, not applied, or drifted, per patch and file."""
-    target = _target(args)
+def _print_status(target):
     rows, overall = status(target)
     print(f"{target}: {overall}")
     for name, state, detail in rows:
         print(f"  {name}: {state}" + (f" ({detail})" if detail else ""))
+    return overall
+
+
+def cmd_status(args):
+    """Tell whether the series is applied, not applied, or drifted, per patch and file."""
+    target = _target(args)
+    _print_status(target)
     for rel, state in file_report(target):
         print(f"  {rel}: {state}")
     return 0
@@ -112,12 +117,7 @@ def cmd_status(args):
 
 def cmd_check(args):
     """Exit 0 if the series is applied or applies cleanly, 1 if the target drifted."""
-    target = _target(args)
-    rows, overall = status(target)
-    print(f"{target}: {overall}")
-    for name, state, detail in rows:
-        print(f"  {name}: {state}" + (f" ({detail})" if detail else ""))
-    return 1 if overall == DRIFTED else 0
+    return 1 if _print_status(_target(args)) == DRIFTED else 0
 
 
 def cmd_apply(args):

@@ -140,17 +140,24 @@ def apply(target):
             git(["am", "--abort"], target.root, check=False)
             raise ToolError(f"git am failed; the checkout is unchanged:\n{result.stderr.strip()}")
         return f"applied {len(patches)} patches as commits with git am"
+    done = _apply_all(target, patches)
+    return f"applied {done} patch(es) to {target.subtree}/"
+
+
+def _apply_all(target, patches, *reverse):
+    """git apply (or, with "-R", reverse) each patch in turn; undo them all if one fails."""
     done = []
     for patch in patches:
         if not _touched(patch, target):
             continue
-        result = target.git_apply(patch)
+        result = target.git_apply(patch, *reverse)
         if result.returncode != 0:
+            undo = () if reverse else ("-R",)
             for applied in reversed(done):
-                target.git_apply(applied, "-R")
+                target.git_apply(applied, *undo)
             raise ToolError(f"{patch.name}: {_failure(result, patch)}; nothing was changed")
         done.append(patch)
-    return f"applied {len(done)} patch(es) to {target.subtree}/"
+    return len(done)
 
 
 def revert(target):
@@ -171,17 +178,8 @@ def revert(target):
             )
         git(["reset", "-q", "--keep", f"HEAD~{len(patches)}"], target.root)
         return f"removed the {len(patches)} commits of the series"
-    undone = []
-    for patch in reversed(patches):
-        if not _touched(patch, target):
-            continue
-        result = target.git_apply(patch, "-R")
-        if result.returncode != 0:
-            for redo in reversed(undone):
-                target.git_apply(redo)
-            raise ToolError(f"{patch.name}: cannot be reverted; nothing was changed")
-        undone.append(patch)
-    return f"reverted {len(undone)} patch(es)"
+    undone = _apply_all(target, list(reversed(patches)), "-R")
+    return f"reverted {undone} patch(es)"
 
 
 def _subject(patch):
