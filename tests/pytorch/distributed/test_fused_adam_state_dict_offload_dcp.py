@@ -9,6 +9,7 @@ of GPUs (all of them, or 2 for resharding), with the default path as control.
 """
 
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -29,7 +30,7 @@ VARIANTS = ["bf16", "fp8", "remainders"]
 
 
 def _torchrun(nproc, test, ckpt_dir, offload=(1, 0)):
-    """Run one worker case; a failing rank fails the test with its output."""
+    """Run one worker test; a failing rank fails the test with its output, a hang times out."""
     cmd = [
         sys.executable,
         "-m",
@@ -62,29 +63,38 @@ def _torchrun(nproc, test, ckpt_dir, offload=(1, 0)):
     assert result.returncode == 0, f"{test} failed:\n{result.stdout[-20000:]}"
 
 
+@pytest.fixture
+def ckpt_dir(tmp_path):
+    """A checkpoint directory for one test, removed afterwards."""
+    path = tmp_path / "ckpt"
+    path.mkdir()
+    yield path
+    shutil.rmtree(path, ignore_errors=True)
+
+
 def _even_procs():
     return NUM_PROCS - NUM_PROCS % 2
 
 
-def test_export(tmp_path):
+def test_export(ckpt_dir):
     """Sharded and full get_optimizer_state_dict(cpu_offload=True) against the default path."""
-    _torchrun(_even_procs(), "export", tmp_path)
+    _torchrun(_even_procs(), "export", ckpt_dir)
 
 
 @pytest.mark.parametrize("mode", ["roundtrip", "async_sync", "async_async"])
-def test_dcp_roundtrip(mode, tmp_path):
+def test_dcp_roundtrip(mode, ckpt_dir):
     """dcp.save / async_save -> fresh model -> dcp.load -> continue, bitwise."""
-    _torchrun(_even_procs(), mode, tmp_path)
+    _torchrun(_even_procs(), mode, ckpt_dir)
 
 
-def test_dcp_resharding_2_to_1(tmp_path):
+def test_dcp_resharding_2_to_1(ckpt_dir):
     """Save with 2 ranks, load with 1, continue, bitwise against the default path."""
-    _torchrun(2, "reshard_save", tmp_path)
-    _torchrun(1, "reshard_load", tmp_path)
+    _torchrun(2, "reshard_save", ckpt_dir)
+    _torchrun(1, "reshard_load", ckpt_dir)
 
 
 @pytest.mark.skipif(NUM_PROCS < 4, reason="DP4 -> DP2 resharding needs 4+ GPUs")
-def test_dcp_resharding_4_to_2(tmp_path):
+def test_dcp_resharding_4_to_2(ckpt_dir):
     """Save with 4 ranks, load with 2, continue, bitwise against the default path."""
-    _torchrun(4, "reshard_save", tmp_path, offload=(1,))
-    _torchrun(2, "reshard_load", tmp_path, offload=(1,))
+    _torchrun(4, "reshard_save", ckpt_dir, offload=(1,))
+    _torchrun(2, "reshard_load", ckpt_dir, offload=(1,))
