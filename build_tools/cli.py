@@ -47,10 +47,10 @@ def cmd_materialize(args):
     print(materialize(args.dest or _repo(), args.wheel))
 
 
-def _series_sources(tree_root):
-    """A directory laid out like the repository, with the upstream tree from `tree_root`."""
+def _series_sources(tree_root, overlay):
+    """Make `overlay` a directory laid out like the repository, with the upstream files from
+    `tree_root` and the repository's own files of the series."""
     repo = _repo()
-    overlay = Path(tempfile.mkdtemp())
     subtree = load_pin()["subtree"]
     for entry in load_series()["patch"]:
         for rel in entry["paths"]:
@@ -76,11 +76,8 @@ def cmd_refresh(args):
             tree_root = repo
             if not (repo / subtree).is_dir():
                 raise ToolError(f"{repo / subtree} does not exist; run 'materialize' first")
-        overlay = _series_sources(tree_root)
-        try:
-            out = generate(overlay, Path(tmp) / "out", args.wheel)
-        finally:
-            shutil.rmtree(overlay)
+        overlay = _series_sources(tree_root, Path(tmp) / "sources")
+        out = generate(overlay, Path(tmp) / "out", args.wheel)
         changed = compare_dirs(patches_dir(), out)
         if args.check:
             if changed:

@@ -1,7 +1,6 @@
 """The series: its metadata (series.toml), its patches, and regenerating them with git."""
 
 import filecmp
-import hashlib
 import os
 import re
 import shutil
@@ -16,7 +15,7 @@ except ModuleNotFoundError:  # Python 3.10
 
 from .errors import ToolError
 from .paths import data_file
-from .upstream import load_pin, pristine_tree
+from .upstream import load_pin, pristine_tree, sha256_of
 
 PLACEHOLDER_SUBJECT = "*** SUBJECT HERE ***"
 PLACEHOLDER_BLURB = "*** BLURB HERE ***"
@@ -167,24 +166,20 @@ def generate(source_root, out_dir, wheel=None):
     names = sorted(p.name for p in out_dir.glob("[0-9][0-9][0-9][0-9]-*.patch"))
     names = [n for n in names if not n.startswith("0000-")]
     (out_dir / "series").write_text("".join(f"{n}\n" for n in names), encoding="utf-8")
-    _write_checksums(pristine, out_dir, source_root, series)
+    _write_checksums(pristine, out_dir, source_root, series, pin["subtree"])
     return out_dir
 
 
-def _write_checksums(pristine, out_dir, source_root, series):
+def _write_checksums(pristine, out_dir, source_root, series, subtree):
     """patches/checksums: sha256 of each upstream file the series changes, before and after."""
     lines = []
     for entry in series["patch"]:
         for rel in entry["paths"]:
             before = pristine / rel
-            if rel.startswith(load_pin()["subtree"] + "/") and before.is_file():
+            if rel.startswith(subtree + "/") and before.is_file():
                 after = source_root / rel
-                lines.append(f"{_sha(before)} {_sha(after)} {rel}\n")
+                lines.append(f"{sha256_of(before)} {sha256_of(after)} {rel}\n")
     (out_dir / "checksums").write_text("".join(lines), encoding="utf-8")
-
-
-def _sha(path):
-    return hashlib.sha256(Path(path).read_bytes()).hexdigest()
 
 
 def load_checksums(directory=None):

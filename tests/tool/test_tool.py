@@ -4,7 +4,6 @@ CPU only. The pinned wheel is fetched once per cache (TE_FUSEDADAM_OFFLOAD_CACHE
 """
 
 import filecmp
-import hashlib
 import json
 import os
 import shutil
@@ -50,10 +49,6 @@ def _same_tree(a, b):
     return True
 
 
-def _sha(path):
-    return hashlib.sha256(Path(path).read_bytes()).hexdigest()
-
-
 def _drift_context(root):
     """Change a context line of the series' first hunk, so that the patch no longer applies."""
     path = root / FUSED_ADAM
@@ -77,7 +72,7 @@ def test_pin_matches_the_downloaded_release(pristine):
     assert upstream.sha256_of(wheel) == pin["sha256"]
     assert (pristine / FUSED_ADAM).is_file()
     before, _ = series.load_checksums()[FUSED_ADAM]
-    assert _sha(pristine / FUSED_ADAM) == before
+    assert upstream.sha256_of(pristine / FUSED_ADAM) == before
 
 
 def test_wrong_hash_is_refused(tmp_path):
@@ -230,7 +225,7 @@ def test_installed_target_inside_an_unrelated_git_repo(tree, tmp_path, tool_home
     result = _run_cli(["status", "--installed"], site, outer, tool_home)
     assert "installed TE at" in result.stdout and ": applied" in result.stdout
     assert _run_cli(["revert"], site, outer, tool_home).returncode == 0
-    assert _sha(site / FUSED_ADAM) == series.load_checksums()[FUSED_ADAM][0]
+    assert upstream.sha256_of(site / FUSED_ADAM) == series.load_checksums()[FUSED_ADAM][0]
 
 
 def test_no_installed_te_is_a_clear_error(tmp_path, tool_home):
@@ -243,7 +238,7 @@ def test_materialize_gives_pristine_plus_series(tmp_path):
     message = cli.materialize(tmp_path)
     assert "2.20.2 + series" in message
     _, after = series.load_checksums()[FUSED_ADAM]
-    assert _sha(tmp_path / FUSED_ADAM) == after
+    assert upstream.sha256_of(tmp_path / FUSED_ADAM) == after
     with pytest.raises(ToolError, match="already exists"):
         cli.materialize(tmp_path)
 
