@@ -10,8 +10,27 @@ from . import __version__
 from .drift import CONFLICT, drift
 from .errors import ToolError
 from .paths import repo_root
-from .series import compare_dirs, generate, load_series, patch_files, patches_dir
-from .target import APPLIED, DRIFTED, Target, apply, file_report, find_target, revert, status
+from .series import (
+    STAGES_DIR,
+    compare_dirs,
+    generate,
+    load_series,
+    patch_files,
+    patches_dir,
+    stage_dir,
+    staged_paths,
+)
+from .target import (
+    APPLIED,
+    DRIFTED,
+    Target,
+    apply,
+    apply_all,
+    file_report,
+    find_target,
+    revert,
+    status,
+)
 from .upstream import fetch_pinned, load_pin, pristine_tree
 
 
@@ -23,23 +42,44 @@ def _repo():
 
 
 def materialize(dest, wheel=None):
-    """Pristine pinned TE + the series, unpacked into `dest`/transformer_engine."""
+    """Pristine pinned TE + the series, unpacked into `dest`/transformer_engine; the files that
+    several patches change also as they are after each patch, under `dest`/.stages/."""
     pin = load_pin()
     dest = Path(dest)
-    tree = dest / pin["subtree"]
-    if tree.exists():
-        raise ToolError(
-            f"{tree} already exists; remove it first (after 'refresh', if it holds edits "
-            "you want to keep)"
-        )
+    tree, stages = dest / pin["subtree"], dest / STAGES_DIR
+    for path in (tree, stages):
+        if path.exists():
+            raise ToolError(
+                f"{path} already exists; remove it first (after 'refresh', if it holds edits "
+                "you want to keep)"
+            )
     dest.mkdir(parents=True, exist_ok=True)
     shutil.copytree(pristine_tree(wheel) / pin["subtree"], tree)
     try:
         message = apply(Target(dest, "tree"))
+        _write_stages(dest, wheel)
     except ToolError:
         shutil.rmtree(tree)
+        shutil.rmtree(stages, ignore_errors=True)
         raise
     return f"{tree}: {pin['package']} {pin['version']} + series ({message})"
+
+
+def _write_stages(dest, wheel=None):
+    """Write .stages/NNNN/<path>: each file that a later patch changes again, after patch NNNN."""
+    staged = staged_paths()
+    if not staged:
+        return
+    subtree = load_pin()["subtree"]
+    with tempfile.TemporaryDirectory() as tmp:
+        shutil.copytree(pristine_tree(wheel) / subtree, Path(tmp) / subtree)
+        work = Target(tmp, "tree")
+        for index, patch in enumerate(patch_files()):
+            apply_all(work, [patch])
+            for rel in staged.get(index, ()):
+                out = Path(dest) / stage_dir(index) / rel
+                out.parent.mkdir(parents=True, exist_ok=True)
+                shutil.copyfile(Path(tmp) / rel, out)
 
 
 def cmd_materialize(args):
@@ -59,6 +99,17 @@ def _series_sources(tree_root, overlay):
             dst.parent.mkdir(parents=True, exist_ok=True)
             if src.is_file():
                 shutil.copyfile(src, dst)
+    for index, paths in staged_paths().items():
+        for rel in paths:
+            src = Path(tree_root) / stage_dir(index) / rel
+            if not src.is_file():
+                raise ToolError(
+                    f"{src} does not exist: {rel} is changed by several patches, and this is "
+                    "its content after the first of them; run 'materialize'"
+                )
+            dst = overlay / stage_dir(index) / rel
+            dst.parent.mkdir(parents=True, exist_ok=True)
+            shutil.copyfile(src, dst)
     return overlay
 
 

@@ -8,7 +8,7 @@ from pathlib import Path
 
 from .errors import ToolError
 from .series import patch_files
-from .target import Target, _failure, _touched
+from .target import NOT_CHECKED, Target, _failure, _touched, has_offset, simulate
 from .upstream import cache_dir, download_wheel, load_pin, sha256_of, unpack_subtree
 
 CLEAN, OFFSET, CONFLICT = "applies cleanly", "applies with offset", "conflicts"
@@ -41,23 +41,22 @@ def default_versions():
 
 
 def check_tree(root):
-    """[(patch, result, detail)] for the series against a tree holding transformer_engine/."""
+    """[(patch, result, detail)] for the series against a tree holding transformer_engine/,
+    applied in order to a scratch copy."""
     target = Target(root, "tree")
-    rows = []
-    for patch in patch_files():
-        if not _touched(patch, target):
-            continue
-        result = target.git_apply(patch, "--check", "-v")
+    relevant = [p for p in patch_files() if _touched(p, target)]
+    rows = {p.name: (NOT_CHECKED, "an earlier patch conflicts") for p in relevant}
+    for patch, result in simulate(target, relevant):
         if result.returncode != 0:
-            rows.append((patch.name, CONFLICT, _failure(result, patch)))
-        elif re.search(r"offset -?\d+ line", result.stderr + result.stdout):
+            rows[patch.name] = (CONFLICT, _failure(result, patch))
+        elif has_offset(result):
             offsets = re.findall(
                 r"Hunk #\d+ succeeded at \d+ \(offset -?\d+ lines?\)", result.stderr
             )
-            rows.append((patch.name, OFFSET, "; ".join(offsets)))
+            rows[patch.name] = (OFFSET, "; ".join(offsets))
         else:
-            rows.append((patch.name, CLEAN, ""))
-    return rows
+            rows[patch.name] = (CLEAN, "")
+    return [(p.name, *rows[p.name]) for p in relevant]
 
 
 def drift(versions=None):

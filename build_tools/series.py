@@ -17,6 +17,10 @@ from .errors import ToolError
 from .paths import data_file
 from .upstream import load_pin, pristine_tree, sha256_of
 
+# A file that several patches change: its content after each patch but the last that changes
+# it lives in <tree>/.stages/NNNN/<path> (NNNN: that patch's number), beside the final file.
+STAGES_DIR = ".stages"
+
 PLACEHOLDER_SUBJECT = "*** SUBJECT HERE ***"
 PLACEHOLDER_BLURB = "*** BLURB HERE ***"
 
@@ -28,6 +32,27 @@ def load_series():
     if not series.get("patch"):
         raise ToolError("series.toml lists no [[patch]]")
     return series
+
+
+def stage_dir(index):
+    """The directory, relative to a tree, of the files as they are after patch `index` (0-based)."""
+    return Path(STAGES_DIR) / f"{index + 1:04d}"
+
+
+def staged_paths(series=None):
+    """{patch index: [paths]}: the files that a later patch of the series changes again."""
+    entries = (series or load_series())["patch"]
+    subtree = load_pin()["subtree"]
+    staged = {}
+    for i, entry in enumerate(entries):
+        for rel in entry["paths"]:
+            if any(rel in later["paths"] for later in entries[i + 1 :]):
+                if not rel.startswith(subtree + "/"):
+                    raise ToolError(
+                        f"{rel} is named by several patches; only files under {subtree}/ may be"
+                    )
+                staged.setdefault(i, []).append(rel)
+    return staged
 
 
 def patches_dir():
@@ -101,10 +126,13 @@ def generate(source_root, out_dir, wheel=None):
     """Write the series made from the files under `source_root` into `out_dir` (created).
 
     `source_root` holds the edited `transformer_engine/` tree and the repository's own new
-    files, at the paths series.toml names. Commits are made on top of the pristine release
-    with fixed identity and dates, so the output depends only on the files and series.toml.
+    files, at the paths series.toml names, and, for a file that several patches change, its
+    content after each but the last of them under `.stages/`. Commits are made on top of the
+    pristine release with fixed identity and dates, so the output depends only on the files
+    and series.toml.
     """
     series = load_series()
+    staged = staged_paths(series)
     author = series["author"]
     env = _identity_env(author)
     source_root = Path(source_root)
@@ -121,9 +149,11 @@ def generate(source_root, out_dir, wheel=None):
             env,
         )
         base = git(["rev-parse", "HEAD"], repo, env).stdout.strip()
-        for entry in series["patch"]:
+        for index, entry in enumerate(series["patch"]):
             for rel in entry["paths"]:
                 src = source_root / rel
+                if rel in staged.get(index, ()):
+                    src = source_root / stage_dir(index) / rel
                 if not src.is_file():
                     raise ToolError(f"{src} does not exist (named by '{entry['subject']}')")
                 dst = repo / rel
@@ -173,12 +203,12 @@ def generate(source_root, out_dir, wheel=None):
 def _write_checksums(pristine, out_dir, source_root, series, subtree):
     """patches/checksums: sha256 of each upstream file the series changes, before and after."""
     lines = []
-    for entry in series["patch"]:
-        for rel in entry["paths"]:
-            before = pristine / rel
-            if rel.startswith(subtree + "/") and before.is_file():
-                after = source_root / rel
-                lines.append(f"{sha256_of(before)} {sha256_of(after)} {rel}\n")
+    paths = dict.fromkeys(rel for entry in series["patch"] for rel in entry["paths"])
+    for rel in paths:
+        before = pristine / rel
+        if rel.startswith(subtree + "/") and before.is_file():
+            after = source_root / rel
+            lines.append(f"{sha256_of(before)} {sha256_of(after)} {rel}\n")
     (out_dir / "checksums").write_text("".join(lines), encoding="utf-8")
 
 

@@ -2,6 +2,8 @@
 
 import importlib.util
 import re
+import shutil
+import tempfile
 from pathlib import Path
 
 from .errors import ToolError
@@ -10,6 +12,7 @@ from .upstream import load_pin, sha256_of
 
 APPLIED, NOT_APPLIED, DRIFTED = "applied", "not applied", "drifted"
 NOT_FOR_TARGET = "not for this target"
+NOT_CHECKED = "not checked"
 
 
 class Target:
@@ -83,27 +86,78 @@ def _failure(result, patch):
     return result.stderr.strip() or "does not apply"
 
 
-def patch_status(target, patch):
-    """(state, detail) of one patch on a target."""
-    if not _touched(patch, target):
-        return NOT_FOR_TARGET, "tests and docs go to source checkouts only"
-    forward = target.git_apply(patch, "--check", "-v")
-    if forward.returncode == 0:
-        offset = "with offset" if "offset" in forward.stderr or "offset" in forward.stdout else ""
-        return NOT_APPLIED, offset
-    if target.git_apply(patch, "--check", "-R").returncode == 0:
-        return APPLIED, ""
-    return DRIFTED, _failure(forward, patch)
+def has_offset(result):
+    """Whether git apply -v applied some hunk at another line than the patch says."""
+    return re.search(r"offset -?\d+ lines?", result.stderr + result.stdout) is not None
+
+
+def simulate(target, patches, *reverse):
+    """git apply (or, with "-R", reverse) `patches` in turn to a scratch copy of the files they
+    change, stopping at the first that fails; [(patch, git apply's result)]. Later patches of
+    the series may change what earlier ones changed, so only this order tells whether each
+    applies. The target is not touched."""
+    results = []
+    with tempfile.TemporaryDirectory() as tmp:
+        scratch = Path(tmp) / "target"
+        (scratch / target.subtree).mkdir(parents=True)
+        for patch in patches:
+            for rel in _touched(patch, target):
+                src, dst = target.root / rel, scratch / rel
+                if src.is_file() and not dst.exists():
+                    dst.parent.mkdir(parents=True, exist_ok=True)
+                    shutil.copyfile(src, dst)
+        copy = Target(scratch, target.kind)
+        for patch in patches:
+            result = copy.git_apply(patch, "-v", *reverse)
+            results.append((patch, result))
+            if result.returncode != 0:
+                break
+    return results
 
 
 def status(target):
     """[(patch name, state, detail)] and the overall state."""
-    rows = [(p.name, *patch_status(target, p)) for p in patch_files()]
-    states = {state for _, state, _ in rows if state != NOT_FOR_TARGET}
-    if not states:
+    patches = patch_files()
+    relevant = [p for p in patches if _touched(p, target)]
+    if not relevant:
         raise ToolError(f"no patch of the series changes anything in {target}")
-    overall = states.pop() if len(states) == 1 else DRIFTED
-    return rows, overall
+    rows = {p.name: (NOT_FOR_TARGET, "tests and docs go to source checkouts only") for p in patches}
+    forward = simulate(target, relevant)
+    if _all_apply(forward):
+        overall = NOT_APPLIED
+        for patch, result in forward:
+            rows[patch.name] = (NOT_APPLIED, "with offset" if has_offset(result) else "")
+    elif _all_apply(simulate(target, relevant[::-1], "-R")):
+        overall = APPLIED
+        for patch in relevant:
+            rows[patch.name] = (APPLIED, "")
+    else:
+        overall = DRIFTED
+        applied = _applied_prefix(target, relevant)
+        for i, patch in enumerate(relevant):
+            if applied:
+                rows[patch.name] = (APPLIED, "") if i < applied else (NOT_APPLIED, "")
+            else:
+                rows[patch.name] = (NOT_CHECKED, "an earlier patch does not apply")
+        for patch, result in [] if applied else forward:
+            rows[patch.name] = (
+                (NOT_APPLIED, "") if result.returncode == 0 else (DRIFTED, _failure(result, patch))
+            )
+    return [(p.name, *rows[p.name]) for p in patches], overall
+
+
+def _applied_prefix(target, patches):
+    """k if exactly the first k (0 < k < all) of `patches` are applied to the target, else 0."""
+    for k in range(len(patches) - 1, 0, -1):
+        if _all_apply(simulate(target, patches[:k][::-1], "-R")) and _all_apply(
+            simulate(target, patches[k:])
+        ):
+            return k
+    return 0
+
+
+def _all_apply(results):
+    return all(result.returncode == 0 for _, result in results)
 
 
 def file_report(target):
@@ -140,11 +194,11 @@ def apply(target):
             git(["am", "--abort"], target.root, check=False)
             raise ToolError(f"git am failed; the checkout is unchanged:\n{result.stderr.strip()}")
         return f"applied {len(patches)} patches as commits with git am"
-    done = _apply_all(target, patches)
+    done = apply_all(target, patches)
     return f"applied {done} patch(es) to {target.subtree}/"
 
 
-def _apply_all(target, patches, *reverse):
+def apply_all(target, patches, *reverse):
     """git apply (or, with "-R", reverse) each patch in turn; undo them all if one fails."""
     done = []
     for patch in patches:
@@ -178,7 +232,7 @@ def revert(target):
             )
         git(["reset", "-q", "--keep", f"HEAD~{len(patches)}"], target.root)
         return f"removed the {len(patches)} commits of the series"
-    undone = _apply_all(target, list(reversed(patches)), "-R")
+    undone = apply_all(target, list(reversed(patches)), "-R")
     return f"reverted {undone} patch(es)"
 
 

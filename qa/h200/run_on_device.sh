@@ -7,6 +7,8 @@
 # TE from a kit (see CONTRIBUTING.md), patch it with the series, run the chosen stages.
 #   usage: qa/h200/run_on_device.sh KIT_DIR LOG_DIR STAGE...
 #   stages: single  dist  bench  bench_omp1  nightly
+# SINGLE_ARGS / DIST_ARGS add pytest arguments (e.g. -k), SINGLE_TIMEOUT / DIST_TIMEOUT
+# bound those stages in seconds.
 # Every stage logs to LOG_DIR/STAGE.log (JUnit XML and benchmark rows beside it); the script
 # exits non-zero if any stage failed.
 set -uo pipefail
@@ -42,8 +44,8 @@ run() {  # run NAME COMMAND...: log, time, remember failure
 BENCH=benchmarks/fused_adam_state_dict/benchmark_state_dict_offload.py
 for stage in "$@"; do
     case $stage in
-    single) run single timeout 900 python3 -m pytest -q -rs tests/pytorch/test_fused_adam_state_dict_offload.py --junitxml="$LOG/single.xml" ;;
-    dist) run dist timeout 1200 python3 -m pytest -q -rs -s tests/pytorch/distributed/test_fused_adam_state_dict_offload_dcp.py --junitxml="$LOG/dist.xml" ;;
+    single) run single timeout ${SINGLE_TIMEOUT:-900} python3 -m pytest -q -rs tests/pytorch/test_fused_adam_state_dict_offload.py --junitxml="$LOG/single.xml" ${SINGLE_ARGS:-} ;;
+    dist) run dist timeout ${DIST_TIMEOUT:-1200} python3 -m pytest -q -rs -s tests/pytorch/distributed/test_fused_adam_state_dict_offload_dcp.py --junitxml="$LOG/dist.xml" ${DIST_ARGS:-} ;;
     bench) run bench timeout 900 python3 $BENCH --csv "$LOG/bench.csv" ${BENCH_ARGS:-} ;;
     bench_omp1) run bench_omp1 env OMP_NUM_THREADS=1 timeout 900 python3 $BENCH --csv "$LOG/bench.csv" ${BENCH_OMP1_ARGS:-${BENCH_ARGS:-}} ;;
     nightly) run nightly env XML_LOG_DIR="$LOG" bash qa/L1_pytorch_fused_adam_state_dict_offload/test.sh ;;

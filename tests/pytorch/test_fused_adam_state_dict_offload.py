@@ -9,6 +9,7 @@ state, for every moment dtype and master-weight variant, with plain and DTensor
 parameters, and its GPU memory is measured with torch.cuda.max_memory_allocated.
 """
 
+import copy
 import gc
 import os
 
@@ -122,7 +123,13 @@ def _raw_state(opt):
         for name, value in state.items():
             local = _local(value)
             if isinstance(local, Float8Tensor):
-                data = (local._data.clone(), local._scale_inv.clone())
+                data = (
+                    local._data.clone(),
+                    local._scale_inv.clone(),
+                    local._quantizer.scale.clone(),
+                )
+                if local._transpose is not None:
+                    data += (local._transpose.clone(),)
             else:
                 data = (local.clone(),)
             snapshot[(id(p), name)] = (value, local.device, local.dtype, data)
@@ -463,3 +470,255 @@ def test_offload_under_torchrun_thread_settings():
         _assert_offloaded_equal(opt.state_dict(), _default_state_dict(opt))
     finally:
         torch.set_num_threads(threads)
+
+
+# Loading with state_dict_cpu_offload=True: bounded GPU memory, the values of the default path.
+
+
+def _clone_state_dict(sd):
+    """A copy of a state dict whose tensors cannot change with the original's, on their
+    devices (DTensor.from_local would move a CPU local tensor to the GPU)."""
+    return {
+        "state": {
+            k: {
+                name: (
+                    DTensor(t._local_tensor.clone(), t._spec, requires_grad=False)
+                    if isinstance(t, DTensor)
+                    else t.clone()
+                )
+                for name, t in v.items()
+            }
+            for k, v in sd["state"].items()
+        },
+        "param_groups": copy.deepcopy(sd["param_groups"]),
+    }
+
+
+def _assert_state_dicts_equal(actual, expected):
+    _assert_param_groups_equal(actual["param_groups"], expected["param_groups"])
+    assert actual["state"].keys() == expected["state"].keys()
+    for k, v in expected["state"].items():
+        assert actual["state"][k].keys() == v.keys()
+        for name, t in v.items():
+            a = actual["state"][k][name]
+            assert type(a) is type(t) and _local(a).device == _local(t).device, (k, name)
+            assert torch.equal(_local(a), _local(t)), (k, name)
+
+
+def _live_groups(opt):
+    """param_groups without the parameters, for comparing two optimizers."""
+    return [{k: v for k, v in g.items() if k != "params"} for g in opt.param_groups]
+
+
+def _load_both_ways(kwargs, mesh, sd, params, target_steps):
+    """Load `sd` with the bounded path and with the default path, each into a new optimizer
+    that holds the state of `target_steps` other steps, then train both. The default path
+    gets its own copy of `sd`, since it may scale a GPU state in place."""
+    runs = []
+    for offload in (True, False):
+        new_params, new_opt = _build(
+            dict(kwargs, state_dict_cpu_offload=offload), mesh, steps=target_steps
+        )
+        with torch.no_grad():
+            for p_new, p in zip(new_params, params):
+                _local(p_new).copy_(_local(p))
+        source = sd if offload else _clone_state_dict(sd)
+        new_opt.load_state_dict(source)
+        loaded = _raw_state(new_opt), _live_groups(new_opt)
+        for step in range(3):
+            _set_grads(new_params, 20 + step)
+            new_opt.step()
+        runs.append((new_params, new_opt, loaded))
+    (params_a, opt_a, loaded_a), (params_b, opt_b, loaded_b) = runs
+    _assert_raw_state_equal(loaded_a[0], _remap(loaded_b[0], opt_b, opt_a), same_objects=False)
+    _assert_param_groups_equal(loaded_a[1], loaded_b[1])
+    for p_a, p_b in zip(params_a, params_b):
+        assert torch.equal(_local(p_a), _local(p_b))
+    _assert_raw_state_equal(_raw_state(opt_a), _remap(_raw_state(opt_b), opt_b, opt_a), False)
+    return opt_a
+
+
+@pytest.mark.parametrize("source", ["cpu", "gpu"])
+@pytest.mark.parametrize("use_dtensor", [False, True], ids=["tensor", "dtensor"])
+@pytest.mark.parametrize("exp_avg,exp_avg_sq,master", COMBINATIONS)
+def test_bounded_load_matches_default_load(
+    exp_avg, exp_avg_sq, master, use_dtensor, source, request
+):
+    """With the option, load_state_dict() gives bitwise the state and training of the default
+    path, from a CPU export and from a GPU one, into an optimizer that already holds state;
+    the state dict is not changed."""
+    mesh = request.getfixturevalue("mesh") if use_dtensor else None
+    kwargs = _optimizer_kwargs(exp_avg, exp_avg_sq, master)
+    params, opt = _build(dict(kwargs, state_dict_cpu_offload=True), mesh)
+    sd = opt.state_dict() if source == "cpu" else _default_state_dict(opt)
+    before = _clone_state_dict(sd)
+    _load_both_ways(kwargs, mesh, sd, params, target_steps=1)
+    _assert_state_dicts_equal(sd, before)
+
+
+@pytest.mark.parametrize("use_dtensor", [False, True], ids=["tensor", "dtensor"])
+@pytest.mark.parametrize(
+    "exp_avg,exp_avg_sq,master",
+    [("bf16", "bf16", "master_fp32"), ("fp8", "fp16", "master_fp16"), ("fp32", "fp8", "no_master")],
+)
+def test_bounded_load_into_new_optimizer(exp_avg, exp_avg_sq, master, use_dtensor, request):
+    """An optimizer that never stepped loads as with the default path; so does a state dict
+    in which a parameter has no state."""
+    mesh = request.getfixturevalue("mesh") if use_dtensor else None
+    kwargs = _optimizer_kwargs(exp_avg, exp_avg_sq, master)
+    params, opt = _build(dict(kwargs, state_dict_cpu_offload=True), mesh)
+    sd = opt.state_dict()
+    _load_both_ways(kwargs, mesh, sd, params, target_steps=0)
+    sd["state"][1] = {}
+    opt_a = _load_both_ways(kwargs, mesh, sd, params, target_steps=2)
+    assert len(opt_a.state[opt_a.param_groups[0]["params"][1]]) > 0  # made again by step()
+
+
+@pytest.mark.parametrize(
+    "total_log2,largest_log2",
+    [(28, 28), (28, 22)],
+    ids=["one_param_2^28", "many_params_2^22"],
+)
+@pytest.mark.parametrize("exp_avg", ["bf16", "fp16", "fp8", "fp32"])
+def test_bounded_load_gpu_memory(total_log2, largest_log2, exp_avg):
+    """Loading a CPU export into an optimizer that holds state allocates at most 64 MiB of GPU
+    memory above the loaded state; the default path needs 6 bytes per element more."""
+    total, largest = 2**total_log2, 2**largest_log2
+    _, opt = _big_optimizer(total, largest, exp_avg, offload=True)
+    sd = opt.state_dict()
+    for offload in (True, False):
+        opt.state_dict_cpu_offload = offload
+        gc.collect()
+        before = torch.cuda.memory_allocated()
+        _, peak = _peak_gpu_bytes(lambda: opt.load_state_dict(sd))
+        after = torch.cuda.memory_allocated()
+        above_loaded = before + peak - after
+        print(
+            f"load {exp_avg} 2^{total_log2}/2^{largest_log2} offload={offload}: GPU peak "
+            f"+{above_loaded / MiB:.1f} MiB above the loaded state"
+        )
+        assert abs(after - before) <= MiB, "the loaded state differs in size from the old one"
+        if offload:
+            assert above_loaded <= OFFLOAD_GPU_BOUND_BYTES, f"+{above_loaded / MiB:.1f} MiB"
+        else:
+            assert above_loaded >= 6 * total, f"default load peaked at +{above_loaded / MiB} MiB"
+
+
+def _bad_last_state(name, value):
+    def change(sd):
+        sd["state"][max(sd["state"])][name] = value(sd["state"][max(sd["state"])])
+
+    return change
+
+
+def _drop_group_param(sd):
+    sd["param_groups"][0]["params"].pop()
+
+
+def _add_group(sd):
+    sd["param_groups"].append(dict(sd["param_groups"][-1], params=[]))
+
+
+def _remove_state(sd):
+    del sd["state"][max(sd["state"])]["exp_avg_sq"]
+
+
+def _not_a_dict(sd):
+    sd["state"][max(sd["state"])] = [1, 2]
+
+
+MISMATCHES = {
+    "groups": (_add_group, ValueError, "number of parameter groups"),
+    "group_size": (_drop_group_param, ValueError, "size of optimizer's group"),
+    "missing_state": (_remove_state, RuntimeError, "expected the states"),
+    "extra_state": (
+        _bad_last_state("step", lambda v: torch.tensor(3.0)),
+        RuntimeError,
+        "expected the states",
+    ),
+    "not_a_dict": (_not_a_dict, RuntimeError, "expected a dict"),
+    "not_a_tensor": (_bad_last_state("exp_avg", lambda v: [0.0]), RuntimeError, "to be a tensor"),
+    "shape": (
+        _bad_last_state("exp_avg", lambda v: torch.zeros(3)),
+        RuntimeError,
+        "of shape",
+    ),
+    "dtype": (
+        _bad_last_state("exp_avg", lambda v: v["exp_avg"].bfloat16()),
+        RuntimeError,
+        "dtype",
+    ),
+    "remainders": (
+        _bad_last_state("master_param", lambda v: v["master_param"].view(torch.int16)[..., ::2]),
+        RuntimeError,
+        "dtype",
+    ),
+}
+
+
+@pytest.mark.parametrize("mismatch", sorted(MISMATCHES))
+def test_bounded_load_rejects_mismatch(mismatch):
+    """A state dict that does not fit the optimizer raises and changes nothing."""
+    change, error, match = MISMATCHES[mismatch]
+    kwargs = _optimizer_kwargs("fp8", "bf16", "master_fp32")
+    params, opt = _build(dict(kwargs, state_dict_cpu_offload=True))
+    sd = opt.state_dict()
+    change(sd)
+    _, target = _build(dict(kwargs, state_dict_cpu_offload=True), steps=1)
+    live, groups = _raw_state(target), _live_groups(target)
+    with pytest.raises(error, match=match):
+        target.load_state_dict(sd)
+    _assert_raw_state_equal(_raw_state(target), live)
+    _assert_param_groups_equal(_live_groups(target), groups)
+    assert not target._optimizer_load_state_dict_pre_hooks
+    assert not target._optimizer_load_state_dict_post_hooks
+    del params
+
+
+def test_bounded_load_rejects_dtensor_mismatch(mesh):
+    """A DTensor state with other placements than its parameter's is rejected."""
+    kwargs = _optimizer_kwargs("bf16", "bf16", "master_fp32")
+    _, opt = _build(dict(kwargs, state_dict_cpu_offload=True), mesh)
+    sd = opt.state_dict()
+    state = sd["state"][0]["exp_avg"]  # parameter 0 is Shard(0)
+    sd["state"][0]["exp_avg"] = DTensor(
+        state._local_tensor,
+        state._spec.__class__(state.device_mesh, (Replicate(),), state._spec.tensor_meta),
+        requires_grad=False,
+    )
+    _, target = _build(dict(kwargs, state_dict_cpu_offload=True), mesh, steps=1)
+    live = _raw_state(target)
+    with pytest.raises(RuntimeError, match="placements"):
+        target.load_state_dict(sd)
+    _assert_raw_state_equal(_raw_state(target), live)
+
+
+def test_bounded_load_hooks():
+    """Pre-hooks run first and what they return is loaded; post-hooks see the loaded state,
+    as with torch.optim.Optimizer."""
+    kwargs = _optimizer_kwargs("bf16", "fp8", "master_fp32")
+    params, opt = _build(dict(kwargs, state_dict_cpu_offload=True))
+    sd = opt.state_dict()
+    _, target = _build(dict(kwargs, state_dict_cpu_offload=True), steps=1)
+    seen = {}
+
+    def pre_hook(optimizer, state_dict):
+        assert optimizer is target and state_dict["state"].keys() == sd["state"].keys()
+        changed = _clone_state_dict(state_dict)
+        changed["param_groups"][0]["lr"] = 0.5
+        changed["state"][0]["exp_avg"].fill_(0.25)
+        return changed
+
+    def post_hook(optimizer):
+        seen["state"] = _raw_state(optimizer)
+
+    target.register_load_state_dict_pre_hook(pre_hook)
+    target.register_load_state_dict_post_hook(post_hook)
+    target.load_state_dict(sd)
+    assert target.param_groups[0]["lr"] == 0.5
+    exp_avg = target.state[target.param_groups[0]["params"][0]]["exp_avg"]
+    assert torch.equal(exp_avg, torch.full_like(exp_avg, 0.25))
+    _assert_raw_state_equal(seen["state"], _raw_state(target))
+    assert len(target._optimizer_load_state_dict_pre_hooks) == 1
+    assert len(target._optimizer_load_state_dict_post_hooks) == 1
+    del params

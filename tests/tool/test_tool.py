@@ -93,13 +93,13 @@ def test_apply_is_idempotent_and_revert_restores_pristine_bytes(tree, pristine):
     assert target.status(t)[1] == target.NOT_APPLIED
     assert target.file_report(t) == [(FUSED_ADAM, "pristine 2.20.2")]
 
-    assert "applied 1 patch" in target.apply(t)
+    assert "applied 2 patch" in target.apply(t)
     assert target.status(t)[1] == target.APPLIED
     assert target.file_report(t) == [(FUSED_ADAM, "patched by this series")]
     assert "state_dict_cpu_offload" in (tree / FUSED_ADAM).read_text(encoding="utf-8")
     assert target.apply(t) == "already applied; nothing to do"
 
-    assert "reverted 1 patch" in target.revert(t)
+    assert "reverted 2 patch" in target.revert(t)
     assert _same_tree(tree / "transformer_engine", pristine / "transformer_engine")
     assert target.revert(t) == "not applied; nothing to do"
 
@@ -155,9 +155,9 @@ def test_offset_applies_and_reverts_exactly(tree):
 
 
 def test_drift_report_on_pristine_and_drifted_trees(tree, pristine):
-    assert [r[1] for r in drift.check_tree(pristine)] == [drift.CLEAN]
+    assert [r[1] for r in drift.check_tree(pristine)] == [drift.CLEAN, drift.CLEAN]
     _drift_context(tree)
-    assert [r[1] for r in drift.check_tree(tree)] == [drift.CONFLICT]
+    assert [r[1] for r in drift.check_tree(tree)] == [drift.CONFLICT, target.NOT_CHECKED]
 
 
 def _git(args, cwd):
@@ -241,6 +241,41 @@ def test_materialize_gives_pristine_plus_series(tmp_path):
     assert upstream.sha256_of(tmp_path / FUSED_ADAM) == after
     with pytest.raises(ToolError, match="already exists"):
         cli.materialize(tmp_path)
+
+
+def test_partly_applied_target_is_reported_and_left_unchanged(tree):
+    """Only the first of the two patches that change fused_adam.py applied: drifted, and the
+    report says which patch is in."""
+    t = target.find_target(tree)
+    first, second = series.patch_files()[:2]
+    target.apply_all(t, [first])
+    before = (tree / FUSED_ADAM).read_bytes()
+    rows, overall = target.status(t)
+    assert overall == target.DRIFTED
+    assert rows[:2] == [(first.name, target.APPLIED, ""), (second.name, target.NOT_APPLIED, "")]
+    with pytest.raises(ToolError, match="drifted"):
+        target.apply(t)
+    assert (tree / FUSED_ADAM).read_bytes() == before
+
+
+def test_materialize_writes_the_stages_of_a_file_changed_twice(tmp_path, tree):
+    """fused_adam.py is changed by patches 1 and 2: .stages/0001/ holds it after patch 1."""
+    assert series.staged_paths() == {0: [FUSED_ADAM]}
+    cli.materialize(tmp_path / "m")
+    target.apply_all(target.find_target(tree), series.patch_files()[:1])
+    stage = tmp_path / "m" / ".stages" / "0001" / FUSED_ADAM
+    assert stage.read_bytes() == (tree / FUSED_ADAM).read_bytes()
+    assert stage.read_bytes() != (tmp_path / "m" / FUSED_ADAM).read_bytes()
+    with pytest.raises(ToolError, match="already exists"):
+        cli.materialize(tmp_path / "m")
+
+
+def test_only_upstream_files_may_be_changed_by_several_patches(monkeypatch):
+    doubled = series.load_series()
+    doubled["patch"].append(dict(doubled["patch"][-1], subject="again"))
+    monkeypatch.setattr(series, "load_series", lambda: doubled)
+    with pytest.raises(ToolError, match="only files under transformer_engine/"):
+        series.staged_paths()
 
 
 def test_patches_are_up_to_date():

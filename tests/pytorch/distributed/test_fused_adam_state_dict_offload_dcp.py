@@ -87,6 +87,11 @@ def test_dcp_roundtrip(mode, ckpt_dir):
     _torchrun(_even_procs(), mode, ckpt_dir)
 
 
+def test_dcp_load_memory(ckpt_dir):
+    """dcp.load + set_optimizer_state_dict: bounded GPU peak, bitwise the default path's."""
+    _torchrun(_even_procs(), "load_memory", ckpt_dir, offload=(1,))
+
+
 def test_dcp_resharding_2_to_1(ckpt_dir):
     """Save with 2 ranks, load with 1, continue, bitwise against the default path."""
     _torchrun(2, "reshard_save", ckpt_dir)

@@ -19,6 +19,8 @@ test_fused_adam_state_dict_offload_dcp.py runs them all):
                   uninterrupted run).
   async_sync      as roundtrip, with dcp.async_save and synchronous staging.
   async_async     as roundtrip, with dcp.async_save and asynchronous staging.
+  load_memory     save, train on, dcp.load + set_optimizer_state_dict into the same optimizer:
+                  GPU peaks, loaded state and later training bitwise equal to the default path.
   reshard_save    train, save a checkpoint and the reference run (with N ranks).
   reshard_load    load that checkpoint (with fewer ranks), continue, compare.
 --variant: bf16 (BF16 moments, FP32 master), fp8 (FP8 moments), remainders
@@ -351,8 +353,76 @@ def _compare_full(actual, expected, what):
             assert actual[key] == value, f"{what}: {key}"
 
 
+def _local_state(opt):
+    """The stored bytes of this rank's optimizer states (FP8: data, transpose, scale_inv)."""
+    snapshot = []
+    for group in opt.param_groups:
+        for p in group["params"]:
+            for name, value in sorted(opt.state[p].items()):
+                local = _local(value)
+                parts = [local]
+                if hasattr(local, "_data"):
+                    parts = [local._data, local._transpose, local._scale_inv]
+                snapshot += [(name, t.detach().cpu().clone()) for t in parts if t is not None]
+            for name, scale in sorted(opt._scales.get(p, {}).items()):
+                snapshot.append((name + " scale", scale.cpu().clone()))
+    return snapshot
+
+
+def _resume_in_place(variant, offload, mesh, ckpt_dir):
+    """Train, save, train on, then load the checkpoint into the same optimizer (which holds
+    state, as in a resume after a failed step) and continue."""
+    model, opt = _build(0, variant, offload, mesh)
+    _train(model, opt, 0, STEPS_BEFORE_SAVE)
+    _save(model, opt, ckpt_dir, "sync")
+    _train(model, opt, STEPS_BEFORE_SAVE, 1)
+    options = StateDictOptions(flatten_optimizer_state_dict=True, cpu_offload=True)
+    state = {
+        "model": get_model_state_dict(model),
+        "optim": get_optimizer_state_dict(model, opt, options=options),
+    }
+    _, dcp_peak = _peak_gpu(lambda: dcp.load(state, checkpoint_id=ckpt_dir))
+    set_model_state_dict(model, state["model"])
+    before = torch.cuda.memory_allocated()
+    _, set_peak = _peak_gpu(
+        lambda: set_optimizer_state_dict(
+            model, opt, state["optim"], options=StateDictOptions(flatten_optimizer_state_dict=True)
+        )
+    )
+    above_loaded = before + set_peak - torch.cuda.memory_allocated()
+    loaded = _local_state(opt)
+    losses = _train(model, opt, STEPS_BEFORE_SAVE, STEPS_AFTER_LOAD)
+    return dcp_peak, above_loaded, _moment_numel(opt), loaded, losses
+
+
+def test_load_memory(variant, offload, mesh, ckpt_dir):
+    """dcp.load + set_optimizer_state_dict into an optimizer that holds state: bounded GPU
+    peak, and the loaded state and later training bitwise equal to the default path's."""
+    if not offload:
+        return  # the default path is this test's control
+    dcp_peak, above, numel, loaded, losses = _resume_in_place(
+        variant, True, mesh, os.path.join(ckpt_dir, "a")
+    )
+    ref_dcp_peak, ref_above, _, ref_loaded, ref_losses = _resume_in_place(
+        variant, False, mesh, os.path.join(ckpt_dir, "b")
+    )
+    _log(
+        f"load {variant}: {numel} local moment elements; GPU peak during dcp.load "
+        f"+{dcp_peak / MiB:.1f} MiB (default path +{ref_dcp_peak / MiB:.1f} MiB), during "
+        f"set_optimizer_state_dict +{above / MiB:.1f} MiB above the loaded state (default path "
+        f"+{ref_above / MiB:.1f} MiB)"
+    )
+    assert [n for n, _ in loaded] == [n for n, _ in ref_loaded]
+    for (name, value), (_, ref) in zip(loaded, ref_loaded):
+        assert value.dtype == ref.dtype and torch.equal(value, ref), f"loaded {name} differs"
+    assert losses == ref_losses, f"losses {losses} != default path {ref_losses}"
+    assert above <= OFFLOAD_GPU_BOUND_BYTES, f"set_optimizer_state_dict: +{above / MiB} MiB"
+    assert dcp_peak <= OFFLOAD_GPU_BOUND_BYTES, f"dcp.load: +{dcp_peak / MiB} MiB"
+
+
 TESTS = {
     "export": test_export,
+    "load_memory": test_load_memory,
     "roundtrip": test_roundtrip,
     "async_sync": test_async_sync,
     "async_async": test_async_async,
