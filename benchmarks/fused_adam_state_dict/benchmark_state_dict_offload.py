@@ -2,7 +2,8 @@
 #
 # See LICENSE for license information.
 
-"""Benchmark FusedAdam.state_dict() export to CPU: GPU peak, host RSS peak, seconds, GB/s.
+"""Benchmark FusedAdam state_dict() export to CPU and load_state_dict() from it: GPU peak,
+host RSS peak, seconds, GB/s.
 
 Modes, each over the same optimizer state (BF16 params, FP32 master weights, moments of
 --moments dtype):
@@ -11,6 +12,11 @@ Modes, each over the same optimizer state (BF16 params, FP32 master weights, mom
                    get_optimizer_state_dict(cpu_offload=True) does today.
   convert_one      the earlier proposal: convert one state on GPU, move it to CPU, free it.
   offload          FusedAdam(state_dict_cpu_offload=True).
+  load_default     load_state_dict() of the CPU export, as upstream, into the optimizer
+                   (which holds state, as when resuming).
+  load_offload     the same with state_dict_cpu_offload=True.
+For exports, the GPU peak is above the memory allocated before; for loads, above the memory
+allocated after (the loaded state). GB/s: bytes of the exported states per second.
 
 Prints one JSON line per (size, mode) and, with --csv, appends the same rows to a CSV file.
 Example:
@@ -33,7 +39,7 @@ import torch
 import transformer_engine
 import transformer_engine.pytorch as te
 
-MODES = ("default", "default_then_cpu", "convert_one", "offload")
+MODES = ("default", "default_then_cpu", "convert_one", "offload", "load_default", "load_offload")
 MOMENTS = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp8": torch.uint8, "fp32": torch.float32}
 
 
@@ -99,6 +105,14 @@ def export_convert_one(opt):
     return sd
 
 
+def cpu_export(opt):
+    """The optimizer's state dict on CPU, as a checkpoint gives it back."""
+    opt.state_dict_cpu_offload = True
+    sd = opt.state_dict()
+    opt.state_dict_cpu_offload = False
+    return sd
+
+
 def exported_bytes(sd):
     """Bytes of every tensor in the exported states."""
     total = 0
@@ -138,14 +152,22 @@ def build(total, largest, moments):
     return params, opt
 
 
-def run_mode(opt, mode):
-    """Export once in `mode`; return the measurements."""
-    opt.state_dict_cpu_offload = mode == "offload"
+def load(opt, sd):
+    """load_state_dict(sd); return sd, for measuring it like an export."""
+    opt.load_state_dict(sd)
+    return sd
+
+
+def run_mode(opt, mode, cpu_sd=None):
+    """Export (or load `cpu_sd`) once in `mode`; return the measurements."""
+    opt.state_dict_cpu_offload = mode in ("offload", "load_offload")
     exports = {
         "default": opt.state_dict,
         "default_then_cpu": lambda: to_cpu(opt.state_dict()),
         "convert_one": lambda: export_convert_one(opt),
         "offload": opt.state_dict,
+        "load_default": lambda: load(opt, cpu_sd),
+        "load_offload": lambda: load(opt, cpu_sd),
     }
     gc.collect()
     torch.cuda.synchronize()
@@ -156,7 +178,10 @@ def run_mode(opt, mode):
         sd = exports[mode]()
         torch.cuda.synchronize()
         seconds = time.perf_counter() - start
-    gpu_peak = torch.cuda.max_memory_allocated() - gpu_before
+    if mode.startswith("load"):
+        gpu_peak = torch.cuda.max_memory_allocated() - torch.cuda.memory_allocated()
+    else:
+        gpu_peak = torch.cuda.max_memory_allocated() - gpu_before
     nbytes = exported_bytes(sd)
     on_cpu = all(
         (t._local_tensor if hasattr(t, "_local_tensor") else t).device.type == "cpu"
@@ -210,9 +235,10 @@ def main():
 
     # Warm up CUDA, the pinned-memory allocator and the export threads once.
     _, opt = build(2**20, 2**20, args.moments)
+    cpu_sd = cpu_export(opt)
     for mode in args.modes:
-        run_mode(opt, mode)
-    del opt
+        run_mode(opt, mode, cpu_sd)
+    del opt, cpu_sd
 
     rows = []
     for total_log2 in args.total_log2:
@@ -221,9 +247,10 @@ def main():
             if largest_log2 > total_log2:
                 continue
             params, opt = build(2**total_log2, 2**largest_log2, args.moments)
+            cpu_sd = cpu_export(opt) if any(m.startswith("load") for m in args.modes) else None
             for mode in args.modes:
                 if (
-                    mode in ("default_then_cpu", "convert_one")
+                    mode in ("default_then_cpu", "convert_one", "load_default")
                     and total_log2 > args.slow_modes_max_log2
                 ):
                     continue
@@ -234,11 +261,11 @@ def main():
                     largest_numel_log2=largest_log2,
                     num_params=len(params),
                     mode=mode,
-                    **run_mode(opt, mode),
+                    **run_mode(opt, mode, cpu_sd),
                 )
                 rows.append(row)
                 print(json.dumps(row), flush=True)
-            del params, opt
+            del params, opt, cpu_sd
             gc.collect()
             torch.cuda.empty_cache()
 
@@ -252,19 +279,20 @@ def main():
 
     # Side by side: offload vs today's path, per size.
     for row in rows:
-        if row["mode"] != "offload":
+        if row["mode"] not in ("offload", "load_offload"):
             continue
+        today = "default_then_cpu" if row["mode"] == "offload" else "load_default"
         base = [
             r
             for r in rows
-            if r["mode"] == "default_then_cpu"
+            if r["mode"] == today
             and r["total_numel_log2"] == row["total_numel_log2"]
             and r["largest_numel_log2"] == row["largest_numel_log2"]
         ]
         if base:
             print(
                 f"# N=2^{row['total_numel_log2']} largest=2^{row['largest_numel_log2']} "
-                f"threads={env['torch_threads']}: offload {row['gb_per_s']} GB/s, "
+                f"threads={env['torch_threads']}: {row['mode']} {row['gb_per_s']} GB/s, "
                 f"+{row['gpu_peak_bytes'] / 2**20:.1f} MiB GPU; today "
                 f"{base[0]['gb_per_s']} GB/s, +{base[0]['gpu_peak_gib']} GiB GPU; "
                 f"speedup {row['gb_per_s'] / base[0]['gb_per_s']:.1f}x",
