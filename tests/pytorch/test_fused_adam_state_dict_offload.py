@@ -648,6 +648,11 @@ MISMATCHES = {
         RuntimeError,
         "dtype",
     ),
+    "gpu_layout": (
+        _bad_last_state("exp_avg", lambda v: v["exp_avg"].cuda().t().contiguous().t()),
+        RuntimeError,
+        "dense",
+    ),
     "remainders": (
         _bad_last_state("master_param", lambda v: v["master_param"].view(torch.int16)[..., ::2]),
         RuntimeError,
@@ -672,6 +677,27 @@ def test_bounded_load_rejects_mismatch(mismatch):
     _assert_param_groups_equal(_live_groups(target), groups)
     assert not target._optimizer_load_state_dict_pre_hooks
     assert not target._optimizer_load_state_dict_post_hooks
+    del params
+
+
+def test_bounded_load_non_contiguous_cpu_values():
+    """CPU values in another memory order load as their contiguous copies do."""
+    kwargs = _optimizer_kwargs("fp8", "bf16", "master_fp16")
+    params, opt = _build(dict(kwargs, state_dict_cpu_offload=True))
+    sd = opt.state_dict()
+    strided = _clone_state_dict(sd)
+    for v in strided["state"].values():
+        for name, t in v.items():
+            if t.dim() == 2:
+                v[name] = t.t().contiguous().t()
+                assert not v[name].is_contiguous()
+    loaded = []
+    for source in (sd, strided):
+        _, target = _build(dict(kwargs, state_dict_cpu_offload=True), steps=1)
+        target.load_state_dict(source)
+        loaded.append((target, _raw_state(target)))
+    (opt_a, raw_a), (opt_b, raw_b) = loaded
+    _assert_raw_state_equal(raw_a, _remap(raw_b, opt_b, opt_a), same_objects=False)
     del params
 
 
