@@ -42,10 +42,13 @@ run() {  # run NAME COMMAND...: log, time, remember failure
     [ $rc -eq 0 ] || status=1
 }
 BENCH=benchmarks/fused_adam_state_dict/benchmark_state_dict_offload.py
+# Shell words, quotes kept: SINGLE_ARGS='-k "load and not gpu_memory"'.
+eval "single_args=(${SINGLE_ARGS:-})"
+eval "dist_args=(${DIST_ARGS:-})"
 for stage in "$@"; do
     case $stage in
-    single) run single timeout ${SINGLE_TIMEOUT:-900} python3 -m pytest -q -rs tests/pytorch/test_fused_adam_state_dict_offload.py --junitxml="$LOG/single.xml" ${SINGLE_ARGS:-} ;;
-    dist) run dist timeout ${DIST_TIMEOUT:-1200} python3 -m pytest -q -rs -s tests/pytorch/distributed/test_fused_adam_state_dict_offload_dcp.py --junitxml="$LOG/dist.xml" ${DIST_ARGS:-} ;;
+    single) run single timeout ${SINGLE_TIMEOUT:-900} python3 -m pytest -q -rs tests/pytorch/test_fused_adam_state_dict_offload.py --junitxml="$LOG/single.xml" "${single_args[@]}" ;;
+    dist) run dist timeout ${DIST_TIMEOUT:-1200} python3 -m pytest -q -rs -s tests/pytorch/distributed/test_fused_adam_state_dict_offload_dcp.py --junitxml="$LOG/dist.xml" "${dist_args[@]}" ;;
     bench) run bench timeout 900 python3 $BENCH --csv "$LOG/bench.csv" ${BENCH_ARGS:-} ;;
     bench_omp1) run bench_omp1 env OMP_NUM_THREADS=1 timeout 900 python3 $BENCH --csv "$LOG/bench.csv" ${BENCH_OMP1_ARGS:-${BENCH_ARGS:-}} ;;
     nightly) run nightly env XML_LOG_DIR="$LOG" bash qa/L1_pytorch_fused_adam_state_dict_offload/test.sh ;;
