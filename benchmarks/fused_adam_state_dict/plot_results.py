@@ -6,8 +6,9 @@
 
   python plot_results.py results/h200-te2.20.2/bench.jsonl --out results/h200-te2.20.2
 
-Writes gpu_peak_vs_total.png, gpu_peak_vs_largest.png and throughput.png, each with the
-command that regenerates it in its footer.
+Writes gpu_peak_vs_total.png, gpu_peak_vs_largest.png and throughput.png for the export
+modes and, if the run has load modes, load.png, each with the command that regenerates it in
+its footer.
 """
 
 import argparse
@@ -51,8 +52,8 @@ def _footer(fig, source, env):
 def _env(rows):
     r = rows[0]
     return (
-        f"{r['gpu']}, TE {r['te']}, torch {r['torch']}, {r['cpus']} CPUs, BF16 moments + FP32"
-        " master"
+        f"{r['gpu']}, TE {r['te']}, torch {r['torch']}, {r['cpus']} CPUs,"
+        f" {r.get('moments', 'bf16').upper()} moments + FP32 master"
     )
 
 
@@ -117,6 +118,57 @@ def plot_throughput(rows, source, out):
     plt.close(fig)
 
 
+LOAD_LABELS = {
+    "load_default": "today: load_state_dict()",
+    "load_offload": "state_dict_cpu_offload=True",
+}
+
+
+def plot_load(rows, source, out):
+    """Load GB/s per mode and size, each bar labelled with its GPU peak above the loaded state."""
+    rows = [r for r in rows if r["mode"] in LOAD_LABELS]
+    if not rows:
+        return False
+    fig, ax = plt.subplots(figsize=(8, 4.5))
+    cases = sorted(
+        {(r["torch_threads"], r["total_numel_log2"], r["largest_numel_log2"]) for r in rows},
+        key=lambda c: (-c[0], c[1], c[2]),
+    )
+    width = 0.38
+    for i, mode in enumerate(LOAD_LABELS):
+        for j, case in enumerate(cases):
+            hit = [
+                r
+                for r in rows
+                if (r["torch_threads"], r["total_numel_log2"], r["largest_numel_log2"]) == case
+                and r["mode"] == mode
+            ]
+            if not hit:
+                continue
+            x = j + (i - 0.5) * width
+            ax.bar(
+                x,
+                hit[0]["gb_per_s"],
+                width,
+                color=f"C{i}",
+                label=LOAD_LABELS[mode] if j == 0 else None,
+            )
+            peak = hit[0]["gpu_peak_bytes"]
+            text = f"{peak / 2**30:.1f} GiB" if peak >= 2**30 else f"{peak / 2**20:.0f} MiB"
+            ax.text(x, hit[0]["gb_per_s"], text, ha="center", va="bottom", fontsize=6)
+    ax.set_xticks(range(len(cases)))
+    ax.set_xticklabels([f"{t} thr\nN=2^{n}\nmax=2^{m}" for t, n, m in cases], fontsize=7)
+    ax.set_ylabel("load throughput, GB/s of CPU state dict")
+    ax.set_title("FusedAdam load_state_dict from CPU; labels: GPU peak above the loaded state")
+    ax.grid(True, axis="y", alpha=0.3)
+    ax.legend(fontsize=8)
+    _footer(fig, source, _env(rows))
+    fig.tight_layout(rect=(0, 0.06, 1, 1))
+    fig.savefig(out / "load.png", dpi=120)
+    plt.close(fig)
+    return True
+
+
 def main():
     """Parse arguments, write the figures."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -129,7 +181,8 @@ def main():
     plot_peak(rows, args.jsonl, out, "total")
     plot_peak(rows, args.jsonl, out, "largest")
     plot_throughput(rows, args.jsonl, out)
-    print(f"wrote {out}/gpu_peak_vs_total.png, gpu_peak_vs_largest.png, throughput.png")
+    loads = ", load.png" if plot_load(rows, args.jsonl, out) else ""
+    print(f"wrote {out}/gpu_peak_vs_total.png, gpu_peak_vs_largest.png, throughput.png{loads}")
 
 
 if __name__ == "__main__":
