@@ -87,35 +87,52 @@ def plot_peak(rows, source, out, vary):
     plt.close(fig)
 
 
-def plot_throughput(rows, source, out):
-    """Export GB/s per mode and size, for each thread setting."""
-    fig, ax = plt.subplots(figsize=(8, 4.5))
-    cases = sorted(
+def _cases(rows):
+    """The (threads, total, largest) cases of a run: most threads first, then by size."""
+    return sorted(
         {(r["torch_threads"], r["total_numel_log2"], r["largest_numel_log2"]) for r in rows},
         key=lambda c: (-c[0], c[1], c[2]),
     )
-    width = 0.27
-    for i, mode in enumerate(LABELS):
-        vals = []
-        for case in cases:
-            hit = [
-                r["gb_per_s"]
-                for r in rows
-                if (r["torch_threads"], r["total_numel_log2"], r["largest_numel_log2"]) == case
-                and r["mode"] == mode
-            ]
-            vals.append(hit[0] if hit else 0)
-        ax.bar([j + (i - 1) * width for j in range(len(cases))], vals, width, label=LABELS[mode])
+
+
+def _row(rows, case, mode):
+    """The row of `mode` for `case`, or None."""
+    for r in rows:
+        if (r["torch_threads"], r["total_numel_log2"], r["largest_numel_log2"]) == case and (
+            r["mode"] == mode
+        ):
+            return r
+    return None
+
+
+def _save_bars(fig, ax, cases, labels, source, rows, out, name):
+    """Label the cases on the x axis, the axes with `labels` (y, title), and save `name`."""
     ax.set_xticks(range(len(cases)))
     ax.set_xticklabels([f"{t} thr\nN=2^{n}\nmax=2^{m}" for t, n, m in cases], fontsize=7)
-    ax.set_ylabel("export throughput, GB/s of CPU output")
-    ax.set_title("FusedAdam state_dict export to CPU (higher is better)")
+    ax.set_ylabel(labels[0])
+    ax.set_title(labels[1])
     ax.grid(True, axis="y", alpha=0.3)
     ax.legend(fontsize=8)
     _footer(fig, source, _env(rows))
     fig.tight_layout(rect=(0, 0.06, 1, 1))
-    fig.savefig(out / "throughput.png", dpi=120)
+    fig.savefig(out / name, dpi=120)
     plt.close(fig)
+
+
+def plot_throughput(rows, source, out):
+    """Export GB/s per mode and size, for each thread setting."""
+    fig, ax = plt.subplots(figsize=(8, 4.5))
+    cases = _cases(rows)
+    width = 0.27
+    for i, mode in enumerate(LABELS):
+        hits = [_row(rows, case, mode) for case in cases]
+        vals = [hit["gb_per_s"] if hit else 0 for hit in hits]
+        ax.bar([j + (i - 1) * width for j in range(len(cases))], vals, width, label=LABELS[mode])
+    labels = (
+        "export throughput, GB/s of CPU output",
+        "FusedAdam state_dict export to CPU (higher is better)",
+    )
+    _save_bars(fig, ax, cases, labels, source, rows, out, "throughput.png")
 
 
 LOAD_LABELS = {
@@ -130,42 +147,25 @@ def plot_load(rows, source, out):
     if not rows:
         return False
     fig, ax = plt.subplots(figsize=(8, 4.5))
-    cases = sorted(
-        {(r["torch_threads"], r["total_numel_log2"], r["largest_numel_log2"]) for r in rows},
-        key=lambda c: (-c[0], c[1], c[2]),
-    )
+    cases = _cases(rows)
     width = 0.38
     for i, mode in enumerate(LOAD_LABELS):
+        label = LOAD_LABELS[mode]  # on the first bar of the mode only
         for j, case in enumerate(cases):
-            hit = [
-                r
-                for r in rows
-                if (r["torch_threads"], r["total_numel_log2"], r["largest_numel_log2"]) == case
-                and r["mode"] == mode
-            ]
-            if not hit:
+            hit = _row(rows, case, mode)
+            if hit is None:
                 continue
             x = j + (i - 0.5) * width
-            ax.bar(
-                x,
-                hit[0]["gb_per_s"],
-                width,
-                color=f"C{i}",
-                label=LOAD_LABELS[mode] if j == 0 else None,
-            )
-            peak = hit[0]["gpu_peak_bytes"]
+            ax.bar(x, hit["gb_per_s"], width, color=f"C{i}", label=label)
+            label = None
+            peak = hit["gpu_peak_bytes"]
             text = f"{peak / 2**30:.1f} GiB" if peak >= 2**30 else f"{peak / 2**20:.0f} MiB"
-            ax.text(x, hit[0]["gb_per_s"], text, ha="center", va="bottom", fontsize=6)
-    ax.set_xticks(range(len(cases)))
-    ax.set_xticklabels([f"{t} thr\nN=2^{n}\nmax=2^{m}" for t, n, m in cases], fontsize=7)
-    ax.set_ylabel("load throughput, GB/s of CPU state dict")
-    ax.set_title("FusedAdam load_state_dict from CPU; labels: GPU peak above the loaded state")
-    ax.grid(True, axis="y", alpha=0.3)
-    ax.legend(fontsize=8)
-    _footer(fig, source, _env(rows))
-    fig.tight_layout(rect=(0, 0.06, 1, 1))
-    fig.savefig(out / "load.png", dpi=120)
-    plt.close(fig)
+            ax.text(x, hit["gb_per_s"], text, ha="center", va="bottom", fontsize=6)
+    labels = (
+        "load throughput, GB/s of CPU state dict",
+        "FusedAdam load_state_dict from CPU; labels: GPU peak above the loaded state",
+    )
+    _save_bars(fig, ax, cases, labels, source, rows, out, "load.png")
     return True
 
 
