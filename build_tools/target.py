@@ -134,15 +134,18 @@ def status(target):
     else:
         overall = DRIFTED
         applied = _applied_prefix(target, relevant)
-        for i, patch in enumerate(relevant):
-            if applied:
+        if applied:  # the series is in part: say which patches
+            for i, patch in enumerate(relevant):
                 rows[patch.name] = (APPLIED, "") if i < applied else (NOT_APPLIED, "")
-            else:
+        else:  # where applying it stops, and why
+            for patch in relevant:
                 rows[patch.name] = (NOT_CHECKED, "an earlier patch does not apply")
-        for patch, result in [] if applied else forward:
-            rows[patch.name] = (
-                (NOT_APPLIED, "") if result.returncode == 0 else (DRIFTED, _failure(result, patch))
-            )
+            for patch, result in forward:
+                rows[patch.name] = (
+                    (NOT_APPLIED, "")
+                    if result.returncode == 0
+                    else (DRIFTED, _failure(result, patch))
+                )
     return [(p.name, *rows[p.name]) for p in patches], overall
 
 
