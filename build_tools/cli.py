@@ -1,6 +1,7 @@
 """te-fusedadam-offload: the command line of the patch set."""
 
 import argparse
+import os
 import shutil
 import sys
 import tempfile
@@ -9,6 +10,7 @@ from pathlib import Path
 from . import __version__
 from .drift import CONFLICT, drift
 from .errors import ToolError
+from .mainline import check_main
 from .paths import repo_root
 from .series import (
     STAGES_DIR,
@@ -197,6 +199,15 @@ def cmd_drift(args):
     return worst
 
 
+def cmd_check_main(args):
+    """git am the series onto the pinned upstream main commit, in a scratch clone of a TE
+    git repository (SOURCE, or $TE_SOURCE), which is left unchanged."""
+    source = args.source or os.environ.get("TE_SOURCE")
+    if not source:
+        raise ToolError("no TE source given: pass the path of a TransformerEngine git clone")
+    print(check_main(source))
+
+
 def cmd_fetch(args):
     """Download and verify the pinned release; print its path."""
     print(fetch_pinned(args.wheel))
@@ -248,6 +259,10 @@ def build_parser():
             action="store_true",
             help="the TE installed in this Python environment (the default without a path)",
         )
+    p = add("check-main", cmd_check_main, cmd_check_main.__doc__)
+    p.add_argument(
+        "source", nargs="?", help="a TransformerEngine git clone (default: $TE_SOURCE)"
+    )
     p = add("drift", cmd_drift, cmd_drift.__doc__)
     p.add_argument(
         "versions",

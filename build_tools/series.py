@@ -97,7 +97,7 @@ def git(args, cwd, env=None, check=True, input_text=None):
     return result
 
 
-def _identity_env(author):
+def identity_env(author):
     name, email, date = author["name"], author["email"], author["date"]
     return {
         "GIT_AUTHOR_NAME": name,
@@ -134,7 +134,7 @@ def generate(source_root, out_dir, wheel=None):
     series = load_series()
     staged = staged_paths(series)
     author = series["author"]
-    env = _identity_env(author)
+    env = identity_env(author)
     source_root = Path(source_root)
     pristine = pristine_tree(wheel)
     pin = load_pin()

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from build_tools import cli, drift, series, target, upstream
+from build_tools import cli, drift, mainline, series, target, upstream
 from build_tools.errors import ToolError
 
 REPO = Path(__file__).resolve().parents[2]
@@ -111,7 +111,8 @@ def test_drifted_target_is_reported_and_left_unchanged(tree):
     rows, overall = target.status(t)
     assert overall == target.DRIFTED
     detail = [d for _, s, d in rows if s == target.DRIFTED][0]
-    assert FUSED_ADAM in detail and "@@ -5,23 +5,33 @@" in detail
+    first_hunk = next(iter(series.hunk_headers(series.patch_files()[0]).values()))
+    assert FUSED_ADAM in detail and first_hunk in detail
     assert target.file_report(t) == [(FUSED_ADAM, "differs from both")]
     with pytest.raises(ToolError, match="drifted"):
         target.apply(t)
@@ -326,3 +327,45 @@ def test_wheel_carries_the_series(tmp_path):
     )
     pinned = json.loads(zipfile.ZipFile(wheel).read("te_fusedadam_offload/_data/upstream.json"))
     assert pinned == upstream.load_pin()
+
+
+def _main_repo(tree, monkeypatch):
+    """A git repository whose commit stands in for the pinned upstream main commit."""
+    _git(["init", "-q", "-b", "main"], tree)
+    _git(["add", "-A"], tree)
+    _git(["commit", "-qm", "main"], tree)
+    commit = _git(["rev-parse", "HEAD"], tree).strip()
+    pin = dict(mainline.load_main_pin(), commit=commit)
+    monkeypatch.setattr(mainline, "load_main_pin", lambda: pin)
+    return commit
+
+
+def test_check_main_applies_the_series_in_a_scratch_clone(tree, monkeypatch):
+    commit = _main_repo(tree, monkeypatch)
+    report = mainline.check_main(tree)
+    assert f"git am of {len(series.patch_files())} patches" in report and ": applied" in report
+    for entry in series.load_series()["patch"]:
+        assert entry["subject"] in report
+    assert _git(["rev-parse", "HEAD"], tree).strip() == commit
+    assert not _git(["status", "--porcelain"], tree).strip()
+
+
+def test_check_main_reports_a_conflict_and_a_missing_commit(tree, monkeypatch, tmp_path):
+    _drift_context(tree)
+    _main_repo(tree, monkeypatch)
+    with pytest.raises(ToolError, match="git am onto main .* failed"):
+        mainline.check_main(tree)
+    assert not _git(["status", "--porcelain"], tree).strip()
+    monkeypatch.setattr(mainline, "load_main_pin", lambda: dict(upstream.load_pin()["main"]))
+    with pytest.raises(ToolError, match="does not hold the pinned main commit"):
+        mainline.check_main(tree)
+    with pytest.raises(ToolError, match="not a git repository"):
+        mainline.check_main(tmp_path)
+
+
+@pytest.mark.skipif(
+    not os.environ.get("TE_SOURCE"), reason="set TE_SOURCE to a TE git clone to check main"
+)
+def test_series_applies_to_the_pinned_main_commit():
+    """The pull request's base: the whole series git-am's onto the pinned main commit."""
+    assert ": applied" in mainline.check_main(os.environ["TE_SOURCE"])
