@@ -11,7 +11,11 @@ parameters, and its GPU memory is measured with torch.cuda.max_memory_allocated.
 
 import copy
 import gc
+import importlib
+import inspect
 import os
+import sys
+import threading
 
 import pytest
 import torch
@@ -25,6 +29,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 
 import transformer_engine.pytorch as te
+from transformer_engine.pytorch.optimizers import fused_adam
 from transformer_engine.pytorch.tensor.float8_tensor import Float8Tensor
 
 FusedAdam = te.optimizers.FusedAdam
@@ -189,23 +194,9 @@ def _default_state_dict(opt):
     offload = opt.state_dict_cpu_offload
     opt.state_dict_cpu_offload = False
     try:
-        sd = opt.state_dict()
+        return _clone_state_dict(opt.state_dict())
     finally:
         opt.state_dict_cpu_offload = offload
-    sd["state"] = {
-        k: {
-            name: t.clone() if not isinstance(t, DTensor) else _clone_dtensor(t)
-            for name, t in v.items()
-        }
-        for k, v in sd["state"].items()
-    }
-    return sd
-
-
-def _clone_dtensor(t):
-    return DTensor.from_local(
-        t._local_tensor.clone(), t.device_mesh, t.placements, shape=t.shape, stride=t.stride()
-    )
 
 
 def _valid_combinations():
@@ -748,3 +739,148 @@ def test_bounded_load_hooks():
     assert len(target._optimizer_load_state_dict_pre_hooks) == 1
     assert len(target._optimizer_load_state_dict_post_hooks) == 1
     del params
+
+
+# Failures in the middle of an export or a load: nothing is left behind, nothing is lost.
+
+
+def _fail_on_call(monkeypatch, owner, name, call, error):
+    """Make the `call`-th call of `owner.name` raise `error`; the calls before it run."""
+    original = getattr(owner, name)
+    calls = []
+
+    def failing(*args, **kwargs):
+        calls.append(None)
+        if len(calls) == call:
+            raise error
+        return original(*args, **kwargs)
+
+    static = isinstance(inspect.getattr_static(owner, name), staticmethod)
+    monkeypatch.setattr(owner, name, staticmethod(failing) if static else failing)
+    return calls
+
+
+def _staging_threads():
+    return [t for t in threading.enumerate() if t.name.startswith("FusedAdamStateDict")]
+
+
+def _memory_snapshot():
+    gc.collect()
+    torch.cuda.synchronize()
+    return torch.cuda.memory_allocated(), _host_pinned_bytes()
+
+
+# name: (object, attribute, failing call, error). The export of 16 parameters of 2^21 elements
+# (BF16 moments, FP32 master weights) has 48 states, 256 MiB in 64 pieces of 4 MiB.
+EXPORT_FAULTS = {
+    "output_allocation": (torch, "empty_like", 20, MemoryError("injected: CPU allocation")),
+    "pinned_allocation": (torch, "empty", 3, RuntimeError("injected: pinned allocation")),
+    "worker": (fused_adam._StateStaging, "_work", 30, RuntimeError("injected: CPU thread")),
+    "copy": (fused_adam._StateStaging, "add", 50, RuntimeError("injected: copy to CPU")),
+}
+
+# As above, for loading that export into an optimizer that holds other state.
+LOAD_FAULTS = {
+    "state_allocation": (
+        torch,
+        "empty_like",
+        20,
+        torch.cuda.OutOfMemoryError("injected: CUDA out of memory"),
+    ),
+    "worker": (fused_adam._StateStaging, "_work", 30, RuntimeError("injected: CPU thread")),
+    "copy": (fused_adam._StateStaging, "_retire", 50, RuntimeError("injected: copy to GPU")),
+}
+
+
+@pytest.mark.parametrize("fault", sorted(EXPORT_FAULTS))
+def test_failed_export_leaves_nothing_behind(fault, monkeypatch):
+    """An exception in the middle of an offloaded state_dict() propagates, stops the threads,
+    releases the pinned buffers and GPU memory, and leaves the live state as it was."""
+    _, opt = _big_optimizer(2**25, 2**21, "bf16", offload=True)
+    reference = _default_state_dict(opt)
+    live = _raw_state(opt)
+    opt.state_dict()  # the pinned buffers are cached by torch from here on
+    before = _memory_snapshot()
+    owner, name, call, error = EXPORT_FAULTS[fault]
+    calls = _fail_on_call(monkeypatch, owner, name, call, error)
+    with pytest.raises(type(error), match="injected"):
+        opt.state_dict()
+    monkeypatch.undo()
+    assert len(calls) >= call
+    assert not _staging_threads()
+    assert _memory_snapshot() == before
+    _assert_raw_state_equal(_raw_state(opt), live)
+    _assert_offloaded_equal(opt.state_dict(), reference)
+
+
+@pytest.mark.parametrize("fault", sorted(LOAD_FAULTS))
+def test_failed_load_raises_until_a_load_succeeds(fault, monkeypatch):
+    """An exception after the old states were released propagates, stops the threads and
+    releases the pinned buffers; step() and state_dict() then raise instead of training on
+    incomplete states, until a load succeeds, which gives the state of a clean load."""
+    params, opt = _big_optimizer(2**25, 2**21, "bf16", offload=True)
+    sd = opt.state_dict()
+    target_params, target = _big_optimizer(2**25, 2**21, "bf16", offload=True)
+    target.load_state_dict(sd)  # the pinned buffers are cached by torch from here on
+    clean = _raw_state(target)
+    before = _memory_snapshot()
+    owner, name, call, error = LOAD_FAULTS[fault]
+    calls = _fail_on_call(monkeypatch, owner, name, call, error)
+    with pytest.raises(type(error), match="injected"):
+        target.load_state_dict(sd)
+    monkeypatch.undo()
+    assert len(calls) >= call
+    assert not _staging_threads()
+    assert _memory_snapshot()[1] == before[1]
+    for p in target_params:
+        p.grad = torch.ones_like(p)
+    with pytest.raises(RuntimeError, match="load_state_dict.* failed .*injected"):
+        target.step()
+    with pytest.raises(RuntimeError, match="load_state_dict.* failed .*injected"):
+        target.state_dict()
+
+    target.load_state_dict(sd)
+    _assert_raw_state_equal(_raw_state(target), clean, same_objects=False)
+    with torch.no_grad():
+        for p, p_target in zip(params, target_params):
+            p_target.copy_(p)
+    for p in params:
+        p.grad = torch.ones_like(p)
+    opt.step()
+    target.step()
+    for p, p_target in zip(params, target_params):
+        assert torch.equal(p, p_target)
+
+
+def test_failed_load_then_default_load(monkeypatch):
+    """After a failed bounded load, a load with the default path also makes the optimizer
+    usable again."""
+    _, opt = _build(
+        dict(_optimizer_kwargs("fp8", "bf16", "master_fp32"), state_dict_cpu_offload=True)
+    )
+    sd = opt.state_dict()
+    _, target = _build(
+        dict(_optimizer_kwargs("fp8", "bf16", "master_fp32"), state_dict_cpu_offload=True), steps=1
+    )
+    _fail_on_call(monkeypatch, fused_adam._StateStaging, "_work", 1, RuntimeError("injected"))
+    with pytest.raises(RuntimeError, match="injected"):
+        target.load_state_dict(sd)
+    monkeypatch.undo()
+    with pytest.raises(RuntimeError, match="load_state_dict"):
+        target.state_dict()
+    target.state_dict_cpu_offload = False
+    target.load_state_dict(sd)
+    target.step()
+
+
+@pytest.mark.parametrize("module_path", ["torch>=2.5", "torch 2.4"])
+def test_dtensor_states_through_either_module_path(module_path, mesh, monkeypatch):
+    """The private DTensorSpec is imported when a DTensor state is exported, from where
+    PyTorch 2.5+ has it, or else from where PyTorch 2.4 has it: both give the same export."""
+    importlib.import_module("torch.distributed._tensor.placement_types")  # before blocking
+    if module_path == "torch 2.4":
+        monkeypatch.setitem(sys.modules, "torch.distributed.tensor._dtensor_spec", None)
+    kwargs = _optimizer_kwargs("fp16", "bf16", "master_fp32")
+    _, opt = _build(dict(kwargs, state_dict_cpu_offload=True), mesh)
+    reference = _default_state_dict(opt)
+    _assert_offloaded_equal(opt.state_dict(), reference)
