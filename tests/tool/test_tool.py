@@ -3,6 +3,7 @@
 CPU only. The pinned wheel is fetched once per cache (TE_FUSEDADAM_OFFLOAD_CACHE).
 """
 
+import ast
 import filecmp
 import json
 import os
@@ -102,6 +103,26 @@ def test_apply_is_idempotent_and_revert_restores_pristine_bytes(tree, pristine):
     assert "reverted 2 patch" in target.revert(t)
     assert _same_tree(tree / "transformer_engine", pristine / "transformer_engine")
     assert target.revert(t) == "not applied; nothing to do"
+
+
+def _module_imports(path):
+    """The modules that a Python file imports at module scope."""
+    names = set()
+    for node in ast.parse(path.read_text(encoding="utf-8")).body:
+        if isinstance(node, ast.Import):
+            names.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            names.add("." * node.level + (node.module or ""))
+    return names
+
+
+def test_series_adds_no_torch_import_at_module_scope(tree, pristine):
+    """`import transformer_engine.pytorch` must not depend on a private torch module: the
+    series imports only standard-library modules at module scope of fused_adam.py."""
+    target.apply(target.find_target(tree))
+    added = _module_imports(tree / FUSED_ADAM) - _module_imports(pristine / FUSED_ADAM)
+    assert added == {"collections", "concurrent.futures", "os"}
+    assert all(name.split(".")[0] in sys.stdlib_module_names for name in added)
 
 
 def test_drifted_target_is_reported_and_left_unchanged(tree):
