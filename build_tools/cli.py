@@ -260,9 +260,7 @@ def build_parser():
             help="the TE installed in this Python environment (the default without a path)",
         )
     p = add("check-main", cmd_check_main, cmd_check_main.__doc__)
-    p.add_argument(
-        "source", nargs="?", help="a TransformerEngine git clone (default: $TE_SOURCE)"
-    )
+    p.add_argument("source", nargs="?", help="a TransformerEngine git clone (default: $TE_SOURCE)")
     p = add("drift", cmd_drift, cmd_drift.__doc__)
     p.add_argument(
         "versions",

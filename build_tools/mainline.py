@@ -42,8 +42,10 @@ def check_main(source):
             )
         subjects = git(["log", "--format=%s", f"{commit}..HEAD"], work, env).stdout
     lines = [
-        f"git am of {len(patches)} patches onto {main['repository']} {main['branch']} "
-        f"{commit[:12]} ({main['date']}, {main['version']}): applied",
+        (
+            f"git am of {len(patches)} patches onto {main['repository']} {main['branch']} "
+            f"{commit[:12]} ({main['date']}, {main['version']}): applied"
+        ),
     ]
     lines += [f"  {s}" for s in reversed(subjects.splitlines())]
     return "\n".join(lines)

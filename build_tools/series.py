@@ -191,6 +191,14 @@ def generate(source_root, out_dir, wheel=None):
     base_line = (
         f"Based on {pin['package']} {pin['version']} ({pin['artifact']}, sha256 {pin['sha256']})."
     )
+    main = pin.get("main")
+    if main:
+        base_line = (
+            f"Made against {main['branch']} of {main['repository']} at {main['commit']}\n"
+            f"({main['date']}, {main['version']}); generated from {pin['package']} "
+            f"{pin['version']}\n({pin['artifact']}, sha256 {pin['sha256']}),\n"
+            f"to which its changes to {pin['subtree']}/ apply as well."
+        )
     text = text.replace(PLACEHOLDER_BLURB, series["cover"]["body"].strip() + "\n\n" + base_line, 1)
     cover.write_text(text, encoding="utf-8")
     names = sorted(p.name for p in out_dir.glob("[0-9][0-9][0-9][0-9]-*.patch"))
