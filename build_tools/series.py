@@ -98,6 +98,7 @@ def git(args, cwd, env=None, check=True, input_text=None):
 
 
 def identity_env(author):
+    """Environment for git with the series' fixed author, committer, dates and no user config."""
     name, email, date = author["name"], author["email"], author["date"]
     return {
         "GIT_AUTHOR_NAME": name,
