@@ -3,6 +3,7 @@
 import argparse
 import os
 import shutil
+import signal
 import sys
 import tempfile
 from pathlib import Path
@@ -58,7 +59,7 @@ def materialize(dest, wheel=None):
     dest.mkdir(parents=True, exist_ok=True)
     shutil.copytree(pristine_tree(wheel) / pin["subtree"], tree)
     try:
-        message = apply(Target(dest, "tree"))
+        message = f"applied {apply_all(Target(dest, 'tree'), patch_files())} patch(es)"
         _write_stages(dest, wheel)
     except ToolError:
         shutil.rmtree(tree)
@@ -157,16 +158,18 @@ def _print_status(target):
 
 
 def cmd_status(args):
-    """Tell whether the series is applied, not applied, or drifted, per patch and file."""
+    """Tell whether the series is applied, not applied, interrupted or drifted, per patch and
+    file. Exit 0 if it is applied, 1 otherwise."""
     target = _target(args)
-    _print_status(target)
+    overall = _print_status(target)
     for rel, state in file_report(target):
         print(f"  {rel}: {state}")
-    return 0
+    return 0 if overall == APPLIED else 1
 
 
 def cmd_check(args):
-    """Exit 0 if the series is applied or applies cleanly, 1 if the target drifted."""
+    """Exit 0 if the series is applied or apply would apply it (or complete it), 1 if the
+    target drifted."""
     return 1 if _print_status(_target(args)) == DRIFTED else 0
 
 
@@ -271,13 +274,21 @@ def build_parser():
 
 
 def main(argv=None):
-    """Entry point; returns the exit status."""
+    """Entry point; returns the exit status: 0 success (for status: applied), 1 failure (for
+    status: not applied; for check: drifted), 2 bad arguments, 141 output pipe closed."""
     args = build_parser().parse_args(argv)
     try:
-        return args.func(args) or 0
+        code = args.func(args) or 0
+        sys.stdout.flush()  # here, so that a closed pipe is caught below
+        return code
     except ToolError as exc:
         print(f"te-fusedadam-offload {args.command}: error: {exc}", file=sys.stderr)
         return 1
+    except BrokenPipeError:
+        # The reader of our output went away (`status | head -1`): stop quietly, and keep the
+        # interpreter from failing again when it flushes stdout at exit.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 128 + signal.SIGPIPE
 
 
 if __name__ == "__main__":

@@ -83,15 +83,20 @@ def git(args, cwd, env=None, check=True, input_text=None):
     for key in ("GIT_DIR", "GIT_WORK_TREE", "GIT_INDEX_FILE"):
         full_env.pop(key, None)
     full_env.update(env or {})
-    result = subprocess.run(
-        ["git", *args],
-        cwd=cwd,
-        env=full_env,
-        capture_output=True,
-        text=True,
-        input=input_text,
-        check=False,
-    )
+    try:
+        result = subprocess.run(
+            ["git", *args],
+            cwd=cwd,
+            env=full_env,
+            capture_output=True,
+            text=True,
+            input=input_text,
+            check=False,
+        )
+    except FileNotFoundError as exc:
+        if not shutil.which("git"):
+            raise ToolError("git is needed but was not found on PATH; install git") from exc
+        raise
     if check and result.returncode != 0:
         raise ToolError(f"git {' '.join(args)} failed:\n{result.stderr.strip()}")
     return result

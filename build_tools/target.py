@@ -1,8 +1,22 @@
-"""Apply, check, revert and report the series on a TE tree: installed, a checkout, a directory."""
+"""Apply, check, revert and report the series on a TE tree: installed, a checkout, a directory.
 
+An installed TE or a directory is changed file by file, each atomically: the new content is
+written to a temporary file beside the old one, synced, given the old file's mode and renamed
+over it. Before the first file is replaced, the original bytes and modes are saved in
+<subtree>/.te_fusedadam_offload/ (committed by writing its state.json last), and kept until a
+revert. So a run that is killed or fails at any point leaves every file either as it was or as
+the series makes it, the next apply completes an interrupted apply, and revert restores the
+exact original bytes and modes.
+"""
+
+import errno
+import hashlib
 import importlib.util
+import json
+import os
 import re
 import shutil
+import signal
 import tempfile
 from pathlib import Path
 
@@ -11,8 +25,74 @@ from .series import git, hunk_headers, load_checksums, patch_files
 from .upstream import load_pin, sha256_of
 
 APPLIED, NOT_APPLIED, DRIFTED = "applied", "not applied", "drifted"
+INTERRUPTED = "interrupted"
 NOT_FOR_TARGET = "not for this target"
 NOT_CHECKED = "not checked"
+
+BACKUP_DIR = ".te_fusedadam_offload"  # in <root>/<subtree>/: the saved originals
+STATE_FILE = "state.json"  # {"files": {path: {"mode", "original", "patched"}}}, written last
+TMP_SUFFIX = ".te-fusedadam-offload.tmp"
+FAULT_ENV = "TE_FUSEDADAM_OFFLOAD_FAULT"
+_fault_counts = {}
+
+
+def _fault(point):
+    """Test hook. With TE_FUSEDADAM_OFFLOAD_FAULT=POINT[#N]:ACTION the N-th time (default: the
+    first) that the tool reaches POINT it kills itself (ACTION "kill", SIGKILL) or fails as a
+    full or broken disk would ("enospc", "eio"). Points: "write" (half of a new file written),
+    "replace" (a new file written and synced, before it replaces the old one), "unlink" (before
+    the saved originals are removed)."""
+    spec = os.environ.get(FAULT_ENV)
+    if not spec:
+        return
+    where, _, action = spec.partition(":")
+    name, _, nth = where.partition("#")
+    if name != point:
+        return
+    _fault_counts[point] = _fault_counts.get(point, 0) + 1
+    if _fault_counts[point] != int(nth or 1):
+        return
+    if action == "kill":
+        os.kill(os.getpid(), signal.SIGKILL)
+    code = {"enospc": errno.ENOSPC, "eio": errno.EIO}[action]
+    raise OSError(code, os.strerror(code))
+
+
+def _sync_dir(path):
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def write_file(path, data, mode):
+    """Replace (or create) `path` with `data` and `mode`, atomically."""
+    path = Path(path)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}{TMP_SUFFIX}")
+    try:
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        with os.fdopen(fd, "wb") as f:
+            f.write(data[: len(data) // 2])
+            f.flush()
+            _fault("write")
+            f.write(data[len(data) // 2 :])
+            f.flush()
+            os.fsync(f.fileno())
+        os.chmod(tmp, mode)
+        _fault("replace")
+        os.replace(tmp, path)
+    except BaseException:
+        try:
+            tmp.unlink()
+        except OSError:
+            pass
+        raise
+    _sync_dir(path.parent)
+
+
+def _sha256(data):
+    return hashlib.sha256(data).hexdigest()
 
 
 class Target:
@@ -28,7 +108,10 @@ class Target:
         self.kind = kind
         self.subtree = load_pin()["subtree"]
         if not (self.root / self.subtree).is_dir():
-            raise ToolError(f"{self.root} holds no {self.subtree}/ directory")
+            hint = ""
+            if self.root.name == self.subtree:
+                hint = f"; pass the directory that holds it, {self.root.parent}"
+            raise ToolError(f"{self.root} holds no {self.subtree}/ directory{hint}")
 
     def __str__(self):
         return f"{self.kind} TE at {self.root}"
@@ -42,6 +125,19 @@ class Target:
         """Run git apply against this target's files only (never a repository around it)."""
         env = {"GIT_CEILING_DIRECTORIES": str(self.root.parent)}
         return git(["apply", *self.include, *args, str(patch)], self.root, env, check=False)
+
+
+def te_version(target):
+    """The TE version of a target, or None if it does not say: the package metadata beside an
+    installed TE, or build_tools/VERSION.txt of a source checkout."""
+    for meta in sorted(target.root.glob(f"{target.subtree}-*.dist-info/METADATA")):
+        found = re.search(r"^Version: *(\S+)", meta.read_text(encoding="utf-8"), re.MULTILINE)
+        if found:
+            return found.group(1)
+    version_file = target.root / "build_tools" / "VERSION.txt"
+    if version_file.is_file():
+        return version_file.read_text(encoding="utf-8").strip()
+    return None
 
 
 def find_target(path=None, installed=False):
@@ -91,27 +187,33 @@ def has_offset(result):
     return re.search(r"offset -?\d+ lines?", result.stderr + result.stdout) is not None
 
 
-def simulate(target, patches, *reverse):
+def simulate(target, patches, *reverse, originals=None, contents=None):
     """git apply (or, with "-R", reverse) `patches` in turn to a scratch copy of the files they
     change, stopping at the first that fails; [(patch, git apply's result)]. Later patches of
     the series may change what earlier ones changed, so only this order tells whether each
-    applies. The target is not touched."""
+    applies. The target is not touched. `originals` ({path: bytes}) stand in for the target's
+    files; if all patches apply, `contents` (a dict) gets {path: bytes} of the files after
+    them."""
     results = []
+    touched = list(dict.fromkeys(rel for patch in patches for rel in _touched(patch, target)))
     with tempfile.TemporaryDirectory() as tmp:
         scratch = Path(tmp) / "target"
         (scratch / target.subtree).mkdir(parents=True)
-        for patch in patches:
-            for rel in _touched(patch, target):
-                src, dst = target.root / rel, scratch / rel
-                if src.is_file() and not dst.exists():
-                    dst.parent.mkdir(parents=True, exist_ok=True)
-                    shutil.copyfile(src, dst)
+        for rel in touched:
+            src, dst = target.root / rel, scratch / rel
+            dst.parent.mkdir(parents=True, exist_ok=True)
+            if originals is not None and rel in originals:
+                dst.write_bytes(originals[rel])
+            elif src.is_file():
+                shutil.copyfile(src, dst)
         copy = Target(scratch, target.kind)
         for patch in patches:
             result = copy.git_apply(patch, "-v", *reverse)
             results.append((patch, result))
             if result.returncode != 0:
                 break
+        if contents is not None and _all_apply(results):
+            contents.update({rel: (scratch / rel).read_bytes() for rel in touched})
     return results
 
 
@@ -122,6 +224,14 @@ def status(target):
     if not relevant:
         raise ToolError(f"no patch of the series changes anything in {target}")
     rows = {p.name: (NOT_FOR_TARGET, "tests and docs go to source checkouts only") for p in patches}
+    saved = _Backup(target).states()
+    if saved and set(saved.values()) == {"original", "patched"}:
+        for patch in relevant:
+            rows[patch.name] = (
+                INTERRUPTED,
+                "an apply or revert was interrupted: run apply to complete the series, or revert",
+            )
+        return [(p.name, *rows[p.name]) for p in patches], INTERRUPTED
     forward = simulate(target, relevant)
     if _all_apply(forward):
         overall = NOT_APPLIED
@@ -134,7 +244,8 @@ def status(target):
     else:
         overall = DRIFTED
         applied = _applied_prefix(target, relevant)
-        if applied:  # the series is in part: say which patches
+        if applied:  # the series is in part (an earlier version of this tool was interrupted)
+            overall = INTERRUPTED
             for i, patch in enumerate(relevant):
                 rows[patch.name] = (APPLIED, "") if i < applied else (NOT_APPLIED, "")
         else:  # where applying it stops, and why
@@ -181,62 +292,273 @@ def file_report(target):
     return report
 
 
+class _Backup:
+    """The original bytes and modes of the files that the series changes in a target, saved
+    in <root>/<subtree>/.te_fusedadam_offload/ by apply and removed by revert."""
+
+    def __init__(self, target):
+        self.target = target
+        self.dir = target.root / target.subtree / BACKUP_DIR
+        self.state = None
+        try:
+            state = json.loads((self.dir / STATE_FILE).read_text(encoding="utf-8"))["files"]
+            if all(self.original(rel, state) is not None for rel in state):
+                self.state = state
+        except (OSError, ValueError, KeyError, TypeError):
+            pass  # none, or not complete: no file was replaced after it
+
+    def original(self, rel, state=None):
+        """The saved original bytes of `rel`, or None if they are not (all) there."""
+        state = state or self.state
+        try:
+            data = (self.dir / "original" / rel).read_bytes()
+        except OSError:
+            return None
+        return data if _sha256(data) == state[rel]["original"] else None
+
+    def states(self):
+        """{path: "original" | "patched" | "other"} of the saved files, or None if none."""
+        if self.state is None:
+            return None
+        found = {}
+        for rel, entry in self.state.items():
+            path = self.target.root / rel
+            digest = _sha256(path.read_bytes()) if path.is_file() else None
+            found[rel] = {entry["original"]: "original", entry["patched"]: "patched"}.get(
+                digest, "other"
+            )
+        return found
+
+    def save(self, originals, modes, contents):
+        """Save the originals; the state file, written last, makes them count."""
+        for rel, data in originals.items():
+            path = self.dir / "original" / rel
+            path.parent.mkdir(parents=True, exist_ok=True)
+            write_file(path, data, 0o600)
+        state = {
+            rel: {
+                "mode": modes[rel],
+                "original": _sha256(originals[rel]),
+                "patched": _sha256(contents[rel]),
+            }
+            for rel in originals
+        }
+        text = json.dumps({"files": state}, indent=1, sort_keys=True) + "\n"
+        write_file(self.dir / STATE_FILE, text.encode("utf-8"), 0o644)
+        self.state = state
+
+    def remove(self):
+        """Forget the originals: the state file first, then the rest."""
+        _fault("unlink")
+        (self.dir / STATE_FILE).unlink(missing_ok=True)
+        _sync_dir(self.dir)
+        shutil.rmtree(self.dir)
+        self.state = None
+
+
+def _remove_stale_files(target):
+    """Temporary files that a killed run left, and saved originals that no state file counts."""
+    dirs = {(target.root / rel).parent for p in patch_files() for rel in _touched(p, target)}
+    backup = _Backup(target)
+    dirs.add(backup.dir)
+    for directory in dirs:
+        for stale in directory.glob(f".*{TMP_SUFFIX}"):
+            stale.unlink()
+    if backup.state is None and backup.dir.is_dir():
+        shutil.rmtree(backup.dir)
+
+
+def _write_files(target, contents, modes, action):
+    """Write `contents` ({path: bytes}) into the target; if that fails, say what it left."""
+    before = {rel: _sha256((target.root / rel).read_bytes()) for rel in contents}
+    for rel, data in contents.items():
+        try:
+            write_file(target.root / rel, data, modes[rel])
+        except OSError as exc:
+            raise ToolError(
+                f"{action} stopped: {exc.strerror or exc} while writing {target.root / rel}; "
+                + _checked_state(target, before, contents)
+            ) from exc
+
+
+def _checked_state(target, before, contents):
+    """What the files are now, read back after a failure: as before, or written."""
+    now = {}
+    for rel, data in contents.items():
+        path = target.root / rel
+        digest = _sha256(path.read_bytes()) if path.is_file() else None
+        if digest == before[rel]:
+            now[rel] = "as before"
+        else:
+            now[rel] = "written" if digest == _sha256(data) else "changed otherwise"
+    if set(now.values()) == {"as before"}:
+        return "nothing was changed (checked)"
+    listing = ", ".join(f"{rel}: {state}" for rel, state in sorted(now.items()))
+    return f"checked: {listing}; run apply again to complete the series, or revert to undo it"
+
+
+def _modes(target, paths):
+    return {rel: (target.root / rel).stat().st_mode & 0o7777 for rel in paths}
+
+
 def apply(target):
-    """Apply the series; a no-op if applied; changes nothing if any patch does not apply."""
+    """Apply the series; a no-op if applied. Every file is replaced atomically, after the
+    originals were saved, so an interrupted apply is completed by the next one."""
+    if target.kind == "checkout":
+        return _apply_checkout(target)
+    _remove_stale_files(target)
+    relevant = [p for p in patch_files() if _touched(p, target)]
+    backup = _Backup(target)
+    saved = backup.states()
+    if saved and "other" not in saved.values():
+        todo = [rel for rel, state in saved.items() if state == "original"]
+        if not todo:
+            return "already applied; nothing to do"
+        originals = {rel: backup.original(rel) for rel in saved}
+        contents = {}
+        simulate(target, relevant, originals=originals, contents=contents)
+        modes = {rel: backup.state[rel]["mode"] for rel in todo}
+        _write_files(target, {rel: contents[rel] for rel in todo}, modes, "apply")
+        return f"completed an interrupted apply ({len(todo)} file(s) written)"
+    rows, overall = status(target)
+    if overall == APPLIED:
+        return "already applied; nothing to do"
+    if overall == DRIFTED:
+        raise ToolError(_drift_message(target, rows, "apply"))
+    # Not applied, or the first patches only: the files before and after the whole series.
+    applied = _applied_count(rows, relevant)
+    originals, contents = {}, {}
+    simulate(target, relevant[:applied][::-1], "-R", contents=originals)
+    simulate(target, relevant[applied:], contents=contents)
+    current = {rel: (target.root / rel).read_bytes() for rel in {**originals, **contents}}
+    contents = {rel: data for rel, data in contents.items() if data != current[rel]}
+    originals = {rel: originals.get(rel, current[rel]) for rel in contents}
+    modes = _modes(target, contents)
+    try:
+        backup.save(originals, modes, contents)
+    except OSError as exc:
+        shutil.rmtree(backup.dir, ignore_errors=True)  # not committed: no file was replaced
+        before = {rel: _sha256(data) for rel, data in originals.items()}
+        raise ToolError(
+            f"apply stopped: {exc.strerror or exc} while saving the originals in {backup.dir}; "
+            + _checked_state(target, before, contents)
+        ) from exc
+    try:
+        _write_files(target, contents, modes, "apply")
+    except ToolError:
+        if set(backup.states().values()) == {"original"}:  # no file replaced: forget them
+            try:
+                backup.remove()
+            except OSError:
+                pass
+        raise
+    done = f"applied {len(relevant) - applied} patch(es) to {target.subtree}/"
+    if applied:
+        done += f" (the first {applied} were applied already)"
+    return done + _version_note(target)
+
+
+def _applied_count(rows, patches):
+    states = {name: state for name, state, _ in rows}
+    return sum(1 for patch in patches if states[patch.name] == APPLIED)
+
+
+def _apply_checkout(target):
     rows, overall = status(target)
     if overall == APPLIED:
         return "already applied; nothing to do"
     if overall == DRIFTED:
         raise ToolError(_drift_message(target, rows, "apply"))
     patches = patch_files()
-    if target.kind == "checkout":
-        if git(["status", "--porcelain", "--untracked-files=no"], target.root).stdout.strip():
-            raise ToolError(f"{target.root} has uncommitted changes; commit or stash them first")
-        result = git(["am", "--keep-non-patch", *map(str, patches)], target.root, check=False)
-        if result.returncode != 0:
-            git(["am", "--abort"], target.root, check=False)
-            raise ToolError(f"git am failed; the checkout is unchanged:\n{result.stderr.strip()}")
-        return f"applied {len(patches)} patches as commits with git am"
-    done = apply_all(target, patches)
-    return f"applied {done} patch(es) to {target.subtree}/"
+    if git(["status", "--porcelain", "--untracked-files=no"], target.root).stdout.strip():
+        raise ToolError(f"{target.root} has uncommitted changes; commit or stash them first")
+    result = git(["am", "--keep-non-patch", *map(str, patches)], target.root, check=False)
+    if result.returncode != 0:
+        git(["am", "--abort"], target.root, check=False)
+        raise ToolError(f"git am failed and was aborted:\n{result.stderr.strip()}")
+    return f"applied {len(patches)} patches as commits with git am"
 
 
 def apply_all(target, patches, *reverse):
-    """git apply (or, with "-R", reverse) each patch in turn; undo them all if one fails."""
-    done = []
+    """git apply (or, with "-R", reverse) each patch in turn, in place: for scratch copies that
+    the tool makes itself (materialize), not for a user's TE."""
+    done = 0
     for patch in patches:
         if not _touched(patch, target):
             continue
         result = target.git_apply(patch, *reverse)
         if result.returncode != 0:
-            undo = () if reverse else ("-R",)
-            for applied in reversed(done):
-                target.git_apply(applied, *undo)
-            raise ToolError(f"{patch.name}: {_failure(result, patch)}; nothing was changed")
-        done.append(patch)
-    return len(done)
+            raise ToolError(f"{patch.name}: {_failure(result, patch)}")
+        done += 1
+    return done
 
 
 def revert(target):
-    """Take the series out again; a no-op if it is not applied."""
+    """Take the series out again; a no-op if it is not applied. The saved originals are
+    written back with their modes; without them (a TE patched otherwise), the series is
+    reversed."""
+    patches = patch_files()
+    if target.kind == "checkout":
+        return _revert_checkout(target, patches)
+    _remove_stale_files(target)
+    backup = _Backup(target)
+    saved = backup.states()
+    if saved and "other" not in saved.values():
+        todo = [rel for rel, state in saved.items() if state == "patched"]
+        originals = {rel: backup.original(rel) for rel in todo}
+        modes = {rel: backup.state[rel]["mode"] for rel in todo}
+        _write_files(target, originals, modes, "revert")
+        try:
+            backup.remove()
+        except OSError as exc:
+            raise ToolError(
+                f"revert restored every file, but could not remove {backup.dir}: {exc}"
+            ) from exc
+        if not todo:
+            return "not applied; removed the saved originals that an interrupted run left"
+        relevant = [p for p in patches if _touched(p, target)]
+        return (
+            f"reverted {len(relevant)} patch(es): restored the saved original bytes and modes "
+            f"of {len(todo)} file(s)"
+        )
     rows, overall = status(target)
     if overall == NOT_APPLIED:
         return "not applied; nothing to do"
     if overall == DRIFTED:
         raise ToolError(_drift_message(target, rows, "revert"))
-    patches = patch_files()
-    if target.kind == "checkout":
-        subjects = [_subject(p) for p in patches]
-        log = git(["log", "--format=%s", f"-{len(patches)}"], target.root).stdout.splitlines()
-        if list(reversed(log)) != subjects:
-            raise ToolError(
-                "the series' commits are not the newest commits of the checkout; "
-                "revert them with git revert"
-            )
-        git(["reset", "-q", "--keep", f"HEAD~{len(patches)}"], target.root)
-        return f"removed the {len(patches)} commits of the series"
-    undone = apply_all(target, list(reversed(patches)), "-R")
-    return f"reverted {undone} patch(es)"
+    # Applied, or the first patches only, without saved originals: reverse what is applied.
+    relevant = [p for p in patches if _touched(p, target)]
+    applied = _applied_count(rows, relevant)
+    contents = {}
+    simulate(target, relevant[:applied][::-1], "-R", contents=contents)
+    contents = {
+        rel: data for rel, data in contents.items() if data != (target.root / rel).read_bytes()
+    }
+    _write_files(target, contents, _modes(target, contents), "revert")
+    shutil.rmtree(backup.dir, ignore_errors=True)  # originals of another TE, if any
+    return f"reverted {applied} patch(es)"
+
+
+def _revert_checkout(target, patches):
+    _, overall = status(target)
+    if overall == NOT_APPLIED:
+        return "not applied; nothing to do"
+    subjects = [_subject(p) for p in patches]
+    log = git(["log", "--format=%s", f"-{len(patches)}"], target.root).stdout.splitlines()
+    if list(reversed(log)) != subjects:
+        raise ToolError(
+            "the series' commits are not the newest commits of the checkout; "
+            "revert them with git revert"
+        )
+    git(["reset", "-q", "--keep", f"HEAD~{len(patches)}"], target.root)
+    return f"removed the {len(patches)} commits of the series"
+
+
+def _version_note(target):
+    pin, found = load_pin(), te_version(target)
+    if found is None or found == pin["version"]:
+        return ""
+    return f" (note: found TE {found}; the series is made and tested for {pin['version']})"
 
 
 def _subject(patch):
@@ -254,6 +576,23 @@ def _subject(patch):
 
 
 def _drift_message(target, rows, action):
-    lines = [f"cannot {action}: {target} has drifted from what the series expects"]
+    pin, found = load_pin(), te_version(target)
+    if found is not None and found != pin["version"]:
+        lead = f"found TE {found} at {target.root}; this series is made for TE {pin['version']}"
+        advice = (
+            f"install TE {pin['version']} (pip install 'transformer_engine[pytorch]=="
+            f"{pin['version']}') and run {action} again"
+        )
+    else:
+        lead = f"{target} has drifted from what the series expects (TE {pin['version']})"
+        advice = (
+            f"its files were changed by something else: reinstall TE {pin['version']} "
+            f"(pip install --force-reinstall --no-deps 'transformer_engine=={pin['version']}')"
+            f" and run {action} again"
+        )
+    if target.kind == "checkout":
+        advice = f"check out the pinned main commit {pin['main']['commit']} and run {action} again"
+    lines = [f"cannot {action}: {lead}"]
     lines += [f"  {name}: {state} {detail}".rstrip() for name, state, detail in rows]
+    lines.append(f"What to do: {advice}.")
     return "\n".join(lines)

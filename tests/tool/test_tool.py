@@ -4,10 +4,12 @@ CPU only. The pinned wheel is fetched once per cache (TE_FUSEDADAM_OFFLOAD_CACHE
 """
 
 import ast
+import errno
 import filecmp
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import zipfile
@@ -265,19 +267,23 @@ def test_materialize_gives_pristine_plus_series(tmp_path):
         cli.materialize(tmp_path)
 
 
-def test_partly_applied_target_is_reported_and_left_unchanged(tree):
-    """Only the first of the two patches that change fused_adam.py applied: drifted, and the
-    report says which patch is in."""
+@pytest.mark.parametrize("way_out", ["apply", "revert"])
+def test_partly_applied_target_is_completed_or_reverted(tree, pristine, way_out):
+    """Only the first of the two patches that change fused_adam.py applied (as an interrupted
+    earlier version of the tool left it): reported as interrupted, with the patch that is in;
+    apply completes the series, revert takes the first patch out."""
     t = target.find_target(tree)
     first, second = series.patch_files()[:2]
     target.apply_all(t, [first])
-    before = (tree / FUSED_ADAM).read_bytes()
     rows, overall = target.status(t)
-    assert overall == target.DRIFTED
+    assert overall == target.INTERRUPTED
     assert rows[:2] == [(first.name, target.APPLIED, ""), (second.name, target.NOT_APPLIED, "")]
-    with pytest.raises(ToolError, match="drifted"):
-        target.apply(t)
-    assert (tree / FUSED_ADAM).read_bytes() == before
+    assert cli.main(["check", str(tree)]) == 0
+    if way_out == "apply":
+        assert "the first 1 were applied already" in target.apply(t)
+        assert target.file_report(t) == [(FUSED_ADAM, "patched by this series")]
+    target.revert(t)
+    assert _same_tree(tree / "transformer_engine", pristine / "transformer_engine")
 
 
 def test_materialize_writes_the_stages_of_a_file_changed_twice(tmp_path, tree):
@@ -390,3 +396,175 @@ def test_check_main_reports_a_conflict_and_a_missing_commit(tree, monkeypatch, t
 def test_series_applies_to_the_pinned_main_commit():
     """The pull request's base: the whole series git-am's onto the pinned main commit."""
     assert ": applied" in mainline.check_main(os.environ["TE_SOURCE"])
+
+
+# Crash safety of apply and revert on an installed TE or a directory (issue: a killed or
+# failing run must leave every file as it was or as the series makes it, and a way out).
+
+# The files apply writes: the saved original, the state file, then fused_adam.py; each is
+# "write" (half written) then "replace" (written and synced, not yet renamed over).
+APPLY_POINTS = [f"{point}#{n}" for n in (1, 2, 3) for point in ("write", "replace")]
+# revert writes fused_adam.py back, then removes the saved originals ("unlink").
+REVERT_POINTS = ["write#1", "replace#1", "unlink#1"]
+
+
+def _cli(args, fault=None, env=None):
+    """Run the installed-style command line in a subprocess, optionally with a fault."""
+    full_env = dict(os.environ, PYTHONPATH=str(REPO), **(env or {}))
+    full_env.pop(target.FAULT_ENV, None)
+    if fault:
+        full_env[target.FAULT_ENV] = fault
+    return subprocess.run(
+        [sys.executable, "-m", "build_tools", *args],
+        env=full_env,
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+
+
+def _file_state(tree):
+    """ "pristine" or "patched" (by sha256 against patches/checksums), else "other"."""
+    before, after = series.load_checksums()[FUSED_ADAM]
+    digest = upstream.sha256_of(tree / FUSED_ADAM)
+    return {before: "pristine", after: "patched"}.get(digest, "other")
+
+
+def _assert_way_out(tree, pristine, mode):
+    """apply then completes the series, and revert gives back every original byte and mode,
+    with nothing of the tool left behind."""
+    result = _cli(["apply", str(tree)])
+    assert result.returncode == 0, result.stderr
+    assert _file_state(tree) == "patched" and (tree / FUSED_ADAM).stat().st_mode & 0o7777 == mode
+    result = _cli(["revert", str(tree)])
+    assert result.returncode == 0, result.stderr
+    assert _same_tree(tree / "transformer_engine", pristine / "transformer_engine")
+    assert (tree / FUSED_ADAM).stat().st_mode & 0o7777 == mode
+
+
+@pytest.mark.parametrize("point", APPLY_POINTS)
+def test_apply_killed_at_any_point(tree, pristine, point):
+    mode = (tree / FUSED_ADAM).stat().st_mode & 0o7777
+    result = _cli(["apply", str(tree)], fault=f"{point}:kill")
+    assert result.returncode == -signal.SIGKILL, result.stderr
+    assert _file_state(tree) in ("pristine", "patched")
+    assert (tree / FUSED_ADAM).stat().st_mode & 0o7777 == mode
+    status = _cli(["status", str(tree)])
+    assert status.returncode in (0, 1) and "drifted" not in status.stdout
+    _assert_way_out(tree, pristine, mode)
+
+
+@pytest.mark.parametrize("point", REVERT_POINTS)
+def test_revert_killed_at_any_point(tree, pristine, point):
+    (tree / FUSED_ADAM).chmod(0o640)
+    assert _cli(["apply", str(tree)]).returncode == 0
+    result = _cli(["revert", str(tree)], fault=f"{point}:kill")
+    assert result.returncode == -signal.SIGKILL, result.stderr
+    assert _file_state(tree) in ("pristine", "patched")
+    _assert_way_out(tree, pristine, 0o640)
+    # and revert alone is a way out too
+    assert _cli(["apply", str(tree)]).returncode == 0
+    assert _cli(["revert", str(tree)], fault=f"{point}:kill").returncode == -signal.SIGKILL
+    assert _cli(["revert", str(tree)]).returncode == 0
+    assert _same_tree(tree / "transformer_engine", pristine / "transformer_engine")
+
+
+@pytest.mark.parametrize("error", ["enospc", "eio"])
+@pytest.mark.parametrize(
+    "command,point",
+    [("apply", p) for p in APPLY_POINTS] + [("revert", p) for p in REVERT_POINTS],
+)
+def test_disk_errors_are_reported_truthfully(tree, pristine, command, point, error):
+    if command == "revert":
+        assert _cli(["apply", str(tree)]).returncode == 0
+    before = _file_state(tree)
+    result = _cli([command, str(tree)], fault=f"{point}:{error}")
+    assert result.returncode == 1
+    assert os.strerror(errno.ENOSPC if error == "enospc" else errno.EIO) in result.stderr
+    assert "Traceback" not in result.stderr
+    assert _file_state(tree) in ("pristine", "patched")
+    if "nothing was changed" in result.stderr:
+        assert _file_state(tree) == before
+    _assert_way_out(tree, pristine, 0o644)
+
+
+@pytest.mark.parametrize("mode", [0o444, 0o600, 0o755])
+def test_modes_are_kept(tree, pristine, mode):
+    """A read-only (or otherwise moded) file keeps its mode through apply and revert."""
+    (tree / FUSED_ADAM).chmod(mode)
+    _assert_way_out(tree, pristine, mode)
+
+
+def _site_of_release(version, tmp_path):
+    """A site directory with the real TE `version` wheel unpacked, package metadata included."""
+    wheel = upstream.download_wheel("transformer_engine", version, upstream.cache_dir() / "wheels")
+    site = tmp_path / f"site-{version}"
+    with zipfile.ZipFile(wheel) as zf:
+        zf.extractall(site)
+    return site
+
+
+def test_other_te_version_that_conflicts_is_named(tmp_path):
+    site = _site_of_release("2.16.0", tmp_path)
+    before = (site / FUSED_ADAM).read_bytes()
+    pin = upstream.load_pin()["version"]
+    for command in ("apply", "status", "check"):
+        result = _cli([command, str(site)])
+        assert result.returncode == 1, command
+    result = _cli(["apply", str(site)])
+    assert f"found TE 2.16.0 at {site}; this series is made for TE {pin}" in result.stderr
+    assert f"{FUSED_ADAM}: hunk" in result.stderr
+    assert f"What to do: install TE {pin}" in result.stderr
+    assert (site / FUSED_ADAM).read_bytes() == before
+
+
+def test_other_te_version_that_applies_gets_a_note(tmp_path):
+    site = _site_of_release("2.19.0", tmp_path)
+    before = (site / FUSED_ADAM).read_bytes()
+    result = _cli(["apply", str(site)])
+    assert result.returncode == 0, result.stderr
+    assert "note: found TE 2.19.0; the series is made and tested for" in result.stdout
+    assert _cli(["revert", str(site)]).returncode == 0
+    assert (site / FUSED_ADAM).read_bytes() == before
+
+
+def test_status_and_check_exit_codes(tree):
+    assert _cli(["status", str(tree)]).returncode == 1  # not applied
+    assert _cli(["check", str(tree)]).returncode == 0  # applies
+    assert _cli(["apply", str(tree)]).returncode == 0
+    assert _cli(["status", str(tree)]).returncode == 0  # applied
+    assert _cli(["check", str(tree)]).returncode == 0
+    assert _cli(["revert", str(tree)]).returncode == 0
+    _drift_context(tree)
+    assert _cli(["status", str(tree)]).returncode == 1
+    assert _cli(["check", str(tree)]).returncode == 1  # drifted
+    assert _cli(["status", "--bogus"]).returncode == 2
+
+
+def test_missing_git_is_one_line(tree):
+    result = _cli(["status", str(tree)], env={"PATH": "/nonexistent"})
+    assert result.returncode == 1
+    assert result.stderr.strip().splitlines() == [
+        "te-fusedadam-offload status: error: git is needed but was not found on PATH; install git"
+    ]
+
+
+def test_closed_pipe_ends_quietly(tree):
+    env = dict(os.environ, PYTHONPATH=str(REPO))
+    env.pop(target.FAULT_ENV, None)
+    with subprocess.Popen(
+        [sys.executable, "-m", "build_tools", "status", str(tree)],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+    ) as proc:
+        proc.stdout.close()  # as `| head -0` does, before anything is printed
+        stderr = proc.stderr.read().decode()
+        assert proc.wait() == 128 + signal.SIGPIPE
+    assert stderr == ""
+
+
+def test_the_package_directory_itself_gets_a_hint(tree):
+    result = _cli(["status", str(tree / "transformer_engine")])
+    assert result.returncode == 1
+    assert f"pass the directory that holds it, {tree}" in result.stderr
