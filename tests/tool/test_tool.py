@@ -225,16 +225,29 @@ def tool_home(tmp_path_factory):
     return home
 
 
-def _run_cli(args, pythonpath, cwd, tool_home):
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(pythonpath), str(tool_home)]))
+def _cli_env(pythonpath=REPO, fault=None, **extra):
+    """The environment of the command line in a subprocess, with a fault injected or none."""
+    env = dict(os.environ, PYTHONPATH=str(pythonpath), **extra)
+    env.pop(target.FAULT_ENV, None)
+    if fault:
+        env[target.FAULT_ENV] = fault
+    return env
+
+
+def _cli(args, cwd=None, **env):
+    """Run `python -m build_tools ARGS` in a subprocess (see _cli_env for `env`)."""
     return subprocess.run(
         [sys.executable, "-m", "build_tools", *args],
         cwd=cwd,
-        env=env,
+        env=_cli_env(**env),
         capture_output=True,
         text=True,
         check=False,
     )
+
+
+def _run_cli(args, pythonpath, cwd, tool_home):
+    return _cli(args, cwd, pythonpath=os.pathsep.join([str(pythonpath), str(tool_home)]))
 
 
 def test_installed_target_inside_an_unrelated_git_repo(tree, tmp_path, tool_home):
@@ -408,21 +421,6 @@ APPLY_POINTS = [f"{point}#{n}" for n in (1, 2, 3) for point in ("write", "replac
 REVERT_POINTS = ["write#1", "replace#1", "unlink#1"]
 
 
-def _cli(args, fault=None, env=None):
-    """Run the installed-style command line in a subprocess, optionally with a fault."""
-    full_env = dict(os.environ, PYTHONPATH=str(REPO), **(env or {}))
-    full_env.pop(target.FAULT_ENV, None)
-    if fault:
-        full_env[target.FAULT_ENV] = fault
-    return subprocess.run(
-        [sys.executable, "-m", "build_tools", *args],
-        env=full_env,
-        capture_output=True,
-        text=True,
-        check=False,
-    )
-
-
 def _file_state(tree):
     """ "pristine" or "patched" (by sha256 against patches/checksums), else "other"."""
     before, after = series.load_checksums()[FUSED_ADAM]
@@ -542,7 +540,7 @@ def test_status_and_check_exit_codes(tree):
 
 
 def test_missing_git_is_one_line(tree):
-    result = _cli(["status", str(tree)], env={"PATH": "/nonexistent"})
+    result = _cli(["status", str(tree)], PATH="/nonexistent")
     assert result.returncode == 1
     assert result.stderr.strip().splitlines() == [
         "te-fusedadam-offload status: error: git is needed but was not found on PATH; install git"
@@ -550,11 +548,9 @@ def test_missing_git_is_one_line(tree):
 
 
 def test_closed_pipe_ends_quietly(tree):
-    env = dict(os.environ, PYTHONPATH=str(REPO))
-    env.pop(target.FAULT_ENV, None)
     with subprocess.Popen(
         [sys.executable, "-m", "build_tools", "status", str(tree)],
-        env=env,
+        env=_cli_env(),
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
     ) as proc:
