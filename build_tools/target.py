@@ -95,6 +95,11 @@ def _sha256(data):
     return hashlib.sha256(data).hexdigest()
 
 
+def _file_digest(path):
+    """sha256 of a file, or None if there is none."""
+    return sha256_of(path) if path.is_file() else None
+
+
 class Target:
     """A directory holding `transformer_engine/` and how to patch it.
 
@@ -322,8 +327,7 @@ class _Backup:
             return None
         found = {}
         for rel, entry in self.state.items():
-            path = self.target.root / rel
-            digest = _sha256(path.read_bytes()) if path.is_file() else None
+            digest = _file_digest(self.target.root / rel)
             found[rel] = {entry["original"]: "original", entry["patched"]: "patched"}.get(
                 digest, "other"
             )
@@ -370,7 +374,7 @@ def _remove_stale_files(target):
 
 def _write_files(target, contents, modes, action):
     """Write `contents` ({path: bytes}) into the target; if that fails, say what it left."""
-    before = {rel: _sha256((target.root / rel).read_bytes()) for rel in contents}
+    before = {rel: _file_digest(target.root / rel) for rel in contents}
     for rel, data in contents.items():
         try:
             write_file(target.root / rel, data, modes[rel])
@@ -385,8 +389,7 @@ def _checked_state(target, before, contents):
     """What the files are now, read back after a failure: as before, or written."""
     now = {}
     for rel, data in contents.items():
-        path = target.root / rel
-        digest = _sha256(path.read_bytes()) if path.is_file() else None
+        digest = _file_digest(target.root / rel)
         if digest == before[rel]:
             now[rel] = "as before"
         else:
@@ -501,6 +504,7 @@ def revert(target):
     if target.kind == "checkout":
         return _revert_checkout(target, patches)
     _remove_stale_files(target)
+    relevant = [p for p in patches if _touched(p, target)]
     backup = _Backup(target)
     saved = backup.states()
     if saved and "other" not in saved.values():
@@ -516,7 +520,6 @@ def revert(target):
             ) from exc
         if not todo:
             return "not applied; removed the saved originals that an interrupted run left"
-        relevant = [p for p in patches if _touched(p, target)]
         return (
             f"reverted {len(relevant)} patch(es): restored the saved original bytes and modes "
             f"of {len(todo)} file(s)"
@@ -527,7 +530,6 @@ def revert(target):
     if overall == DRIFTED:
         raise ToolError(_drift_message(target, rows, "revert"))
     # Applied, or the first patches only, without saved originals: reverse what is applied.
-    relevant = [p for p in patches if _touched(p, target)]
     applied = _applied_count(rows, relevant)
     contents = {}
     simulate(target, relevant[:applied][::-1], "-R", contents=contents)
