@@ -11,13 +11,16 @@ from pathlib import Path
 from . import __version__
 from .drift import CONFLICT, drift
 from .errors import ToolError
-from .mainline import check_main
+from .mainline import MAIN_DIR, check_main, main_tree
 from .paths import repo_root
 from .series import (
     STAGES_DIR,
     compare_dirs,
+    compare_without_main,
+    entry_paths,
     generate,
     load_series,
+    main_paths,
     patch_files,
     patches_dir,
     stage_dir,
@@ -44,13 +47,16 @@ def _repo():
     return root
 
 
-def materialize(dest, wheel=None):
+def materialize(dest, wheel=None, source=None):
     """Pristine pinned TE + the series, unpacked into `dest`/transformer_engine; the files that
-    several patches change also as they are after each patch, under `dest`/.stages/."""
+    several patches change also as they are after each patch, under `dest`/.stages/. If the
+    series changes upstream main files and the pinned main tree is at hand (cached, or
+    exported from `source` or $TE_SOURCE): that tree + the series in `dest`/te-main."""
     pin = load_pin()
     dest = Path(dest)
     tree, stages = dest / pin["subtree"], dest / STAGES_DIR
-    for path in (tree, stages):
+    main = main_tree(source) if main_paths() else None
+    for path in (tree, stages, *([dest / MAIN_DIR] if main else [])):
         if path.exists():
             raise ToolError(
                 f"{path} already exists; remove it first (after 'refresh', if it holds edits "
@@ -65,7 +71,31 @@ def materialize(dest, wheel=None):
         shutil.rmtree(tree)
         shutil.rmtree(stages, ignore_errors=True)
         raise
-    return f"{tree}: {pin['package']} {pin['version']} + series ({message})"
+    lines = [f"{tree}: {pin['package']} {pin['version']} + series ({message})"]
+    if main is not None:
+        lines.append(_materialize_main(main, dest / MAIN_DIR))
+    elif main_paths():
+        lines.append(
+            f"SKIPPED: {dest / MAIN_DIR} (upstream main + the series, where its changes to "
+            f"{len(main_paths())} upstream main files are edited): no TE source given; pass "
+            "--source or set TE_SOURCE to a TransformerEngine git clone"
+        )
+    return "\n".join(lines)
+
+
+def _materialize_main(main, dest):
+    """The pinned main tree + the whole series, in `dest`."""
+    main_pin = load_pin()["main"]
+    shutil.copytree(main, dest, ignore=shutil.ignore_patterns(".commit"))
+    try:
+        applied = apply_all(Target(dest, "checkout"), patch_files())
+    except ToolError:
+        shutil.rmtree(dest)
+        raise
+    return (
+        f"{dest}: upstream main {main_pin['commit'][:12]} ({main_pin['date']}) + series "
+        f"(applied {applied} patch(es))"
+    )
 
 
 def _write_stages(dest, wheel=None):
@@ -87,17 +117,26 @@ def _write_stages(dest, wheel=None):
 
 def cmd_materialize(args):
     """Unpack the pinned release and apply the series for reading, editing and testing."""
-    print(materialize(args.dest or _repo(), args.wheel))
+    print(materialize(args.dest or _repo(), args.wheel, args.source))
 
 
-def _series_sources(tree_root, overlay):
-    """Make `overlay` a directory laid out like the repository, with the upstream files from
-    `tree_root` and the repository's own files of the series."""
+def _series_sources(tree_root, overlay, with_main=True):
+    """Make `overlay` a directory laid out like the repository, with the release's files from
+    `tree_root`, the upstream main files from `tree_root`/te-main (unless not `with_main`)
+    and the repository's own files of the series."""
     repo = _repo()
     subtree = load_pin()["subtree"]
+    changed_main = main_paths()
     for entry in load_series()["patch"]:
-        for rel in entry["paths"]:
-            src = (Path(tree_root) if rel.startswith(subtree + "/") else repo) / rel
+        for rel in entry_paths(entry):
+            if rel in changed_main:
+                if not with_main:
+                    continue
+                src = Path(tree_root) / MAIN_DIR / rel
+                if not src.is_file():
+                    raise ToolError(f"{src} does not exist; run 'materialize' with a TE source")
+            else:
+                src = (Path(tree_root) if rel.startswith(subtree + "/") else repo) / rel
             dst = overlay / rel
             dst.parent.mkdir(parents=True, exist_ok=True)
             if src.is_file():
@@ -117,26 +156,45 @@ def _series_sources(tree_root, overlay):
 
 
 def cmd_refresh(args):
-    """Regenerate patches/ from the materialized tree and the repository's own files."""
+    """Regenerate patches/ from the materialized trees and the repository's own files."""
     repo = _repo()
     subtree = load_pin()["subtree"]
+    changed_main = main_paths()
+    main = main_tree(args.source) if changed_main else None
     with tempfile.TemporaryDirectory() as tmp:
         if args.check:
-            # From a fresh clone: the series applied to the pristine release must regenerate
-            # itself byte for byte, together with the repository's own files.
-            materialize(Path(tmp) / "tree", args.wheel)
+            # From a fresh clone: the series applied to the pristine release (and main) must
+            # regenerate itself byte for byte, together with the repository's own files.
+            materialize(Path(tmp) / "tree", args.wheel, args.source)
             tree_root = Path(tmp) / "tree"
         else:
             tree_root = repo
             if not (repo / subtree).is_dir():
                 raise ToolError(f"{repo / subtree} does not exist; run 'materialize' first")
-        overlay = _series_sources(tree_root, Path(tmp) / "sources")
-        out = generate(overlay, Path(tmp) / "out", args.wheel)
-        changed = compare_dirs(patches_dir(), out)
+            if changed_main and main is None:
+                raise ToolError(
+                    "the series changes upstream main files; pass --source or set TE_SOURCE "
+                    "to a TransformerEngine git clone holding the pinned main commit"
+                )
+            if changed_main and not (repo / MAIN_DIR).is_dir():
+                raise ToolError(f"{repo / MAIN_DIR} does not exist; run 'materialize' first")
+        overlay = _series_sources(tree_root, Path(tmp) / "sources", with_main=main is not None)
+        out = generate(overlay, Path(tmp) / "out", args.wheel, main)
+        if main is None and changed_main:
+            changed = compare_without_main(patches_dir(), out, changed_main)
+        else:
+            changed = compare_dirs(patches_dir(), out)
         if args.check:
             if changed:
                 raise ToolError("patches/ is stale: 'refresh' would change " + ", ".join(changed))
             print(f"patches/ is up to date ({len(patch_files())} patches)")
+            if main is None and changed_main:
+                print(
+                    f"SKIPPED: the diffs of {len(changed_main)} upstream main files "
+                    f"({', '.join(changed_main)}) and the diffstats were not regenerated: no "
+                    "TE source given (set TE_SOURCE to a TransformerEngine git clone); their "
+                    "commit messages and every other diff were"
+                )
             return
         for old in patches_dir().iterdir():
             old.unlink()
@@ -236,14 +294,20 @@ def build_parser():
     wheel_help = "use this copy of the pinned wheel instead of downloading it (checked by sha256)"
     p = add("fetch", cmd_fetch, cmd_fetch.__doc__)
     p.add_argument("--wheel", help=wheel_help)
+    source_help = (
+        "a TransformerEngine git clone holding the pinned main commit, for the series' changes "
+        "to upstream main files (default: $TE_SOURCE; once exported, the tree is cached)"
+    )
     p = add("materialize", cmd_materialize, cmd_materialize.__doc__)
     p.add_argument("--dest", help="directory to hold transformer_engine/ (default: the repo)")
     p.add_argument("--wheel", help=wheel_help)
+    p.add_argument("--source", help=source_help)
     p = add("refresh", cmd_refresh, cmd_refresh.__doc__)
     p.add_argument(
         "--check", action="store_true", help="only check that patches/ is up to date (for CI)"
     )
     p.add_argument("--wheel", help=wheel_help)
+    p.add_argument("--source", help=source_help)
     for name, func in (
         ("apply", cmd_apply),
         ("check", cmd_check),

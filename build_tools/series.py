@@ -39,14 +39,26 @@ def stage_dir(index):
     return Path(STAGES_DIR) / f"{index + 1:04d}"
 
 
+def entry_paths(entry):
+    """All files a [[patch]] entry changes: `paths` (files of the release's package, and new
+    files that this repository holds) and `main_paths` (existing files of upstream main)."""
+    return [*entry.get("paths", []), *entry.get("main_paths", [])]
+
+
+def main_paths(series=None):
+    """The existing upstream main files that the series changes, in series order."""
+    entries = (series or load_series())["patch"]
+    return list(dict.fromkeys(rel for entry in entries for rel in entry.get("main_paths", [])))
+
+
 def staged_paths(series=None):
     """{patch index: [paths]}: the files that a later patch of the series changes again."""
     entries = (series or load_series())["patch"]
     subtree = load_pin()["subtree"]
     staged = {}
     for i, entry in enumerate(entries):
-        for rel in entry["paths"]:
-            if any(rel in later["paths"] for later in entries[i + 1 :]):
+        for rel in entry_paths(entry):
+            if any(rel in entry_paths(later) for later in entries[i + 1 :]):
                 if not rel.startswith(subtree + "/"):
                     raise ToolError(
                         f"{rel} is named by several patches; only files under {subtree}/ may be"
@@ -128,16 +140,20 @@ def _message(entry, author):
     )
 
 
-def generate(source_root, out_dir, wheel=None):
+def generate(source_root, out_dir, wheel=None, main=None):
     """Write the series made from the files under `source_root` into `out_dir` (created).
 
-    `source_root` holds the edited `transformer_engine/` tree and the repository's own new
-    files, at the paths series.toml names, and, for a file that several patches change, its
-    content after each but the last of them under `.stages/`. Commits are made on top of the
-    pristine release with fixed identity and dates, so the output depends only on the files
-    and series.toml.
+    `source_root` holds the edited `transformer_engine/` tree, the repository's own new files
+    and the edited upstream main files, at the paths series.toml names, and, for a file that
+    several patches change, its content after each but the last of them under `.stages/`.
+    Commits are made on top of the pristine release plus, from `main` (the pristine tree of
+    the pinned main commit), the main files the series changes, with fixed identity and dates,
+    so the output depends only on the files and series.toml. Without `main`, each main file
+    is a stand-in: the output then differs from the series only in the diffs of the main
+    files and the diffstats (see `compare_without_main`).
     """
     series = load_series()
+    changed_main = main_paths(series)
     staged = staged_paths(series)
     author = series["author"]
     env = identity_env(author)
@@ -147,6 +163,11 @@ def generate(source_root, out_dir, wheel=None):
     with tempfile.TemporaryDirectory() as work:
         repo = Path(work) / "te"
         shutil.copytree(pristine, repo)
+        for rel in changed_main if main is not None else ():
+            if not (Path(main) / rel).is_file():
+                raise ToolError(f"{rel} (a main_paths entry) is not a file of upstream main")
+            (repo / rel).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copyfile(Path(main) / rel, repo / rel)
         git(["init", "-q", "-b", "base"], repo, env)
         git(["add", "-A"], repo, env)
         git(
@@ -156,7 +177,20 @@ def generate(source_root, out_dir, wheel=None):
         )
         base = git(["rev-parse", "HEAD"], repo, env).stdout.strip()
         for index, entry in enumerate(series["patch"]):
-            for rel in entry["paths"]:
+            for rel in entry_paths(entry):
+                if main is None and rel in changed_main:
+                    # A stand-in, so that the patch and its message are made as with main.
+                    (repo / rel).parent.mkdir(parents=True, exist_ok=True)
+                    (repo / rel).write_text("not regenerated: no upstream main tree\n")
+                    git(["add", rel], repo, env)
+                    continue
+                if (
+                    main is not None
+                    and rel not in changed_main
+                    and not rel.startswith(pin["subtree"] + "/")
+                    and (Path(main) / rel).exists()
+                ):
+                    raise ToolError(f"{rel} exists upstream: name it in main_paths, not paths")
                 src = source_root / rel
                 if rel in staged.get(index, ()):
                     src = source_root / stage_dir(index) / rel
@@ -201,9 +235,9 @@ def generate(source_root, out_dir, wheel=None):
     if main:
         base_line = (
             f"Made against {main['branch']} of {main['repository']} at {main['commit']}\n"
-            f"({main['date']}, {main['version']}); generated from {pin['package']} "
-            f"{pin['version']}\n({pin['artifact']}, sha256 {pin['sha256']}),\n"
-            f"to which its changes to {pin['subtree']}/ apply as well."
+            f"({main['date']}, {main['version']}). Its changes to {pin['subtree']}/ are "
+            f"generated from\n{pin['package']} {pin['version']} ({pin['artifact']},\n"
+            f"sha256 {pin['sha256']}),\nto which they apply as well."
         )
     text = text.replace(PLACEHOLDER_BLURB, series["cover"]["body"].strip() + "\n\n" + base_line, 1)
     cover.write_text(text, encoding="utf-8")
@@ -217,7 +251,7 @@ def generate(source_root, out_dir, wheel=None):
 def _write_checksums(pristine, out_dir, source_root, series, subtree):
     """patches/checksums: sha256 of each upstream file the series changes, before and after."""
     lines = []
-    paths = dict.fromkeys(rel for entry in series["patch"] for rel in entry["paths"])
+    paths = dict.fromkeys(rel for entry in series["patch"] for rel in entry_paths(entry))
     for rel in paths:
         before = pristine / rel
         if rel.startswith(subtree + "/") and before.is_file():
@@ -249,6 +283,44 @@ def compare_dirs(expected, actual):
         or not (actual / n).is_file()
         or not filecmp.cmp(expected / n, actual / n, shallow=False)
     )
+
+
+_DIFFSTAT = re.compile(r"^ (\S.* \| +(\d+ ?[-+]*|Bin .*)|\d+ files? changed.*)$")
+
+
+def _without(text, paths):
+    """A patch's text less its diffstat lines and its sections (`diff --git` and the summary's
+    `create mode` lines) of `paths`."""
+    out, skipping = [], False
+    for line in text.splitlines(keepends=True):
+        bare = line.rstrip("\n")
+        if line.startswith("diff --git "):
+            skipping = any(bare.endswith(f" b/{rel}") for rel in paths)
+        elif skipping and (line == "-- \n" or line.startswith("From ")):
+            skipping = False
+        if skipping or _DIFFSTAT.match(bare):
+            continue
+        if bare.startswith(" create mode ") and bare.split(" ", 4)[-1] in paths:
+            continue
+        out.append(line)
+    return "".join(out)
+
+
+def compare_without_main(expected, actual, paths):
+    """Names of files that differ between the committed series (`expected`) and one generated
+    without the upstream main files `paths` (`actual`), their diffs and the diffstats aside."""
+    expected, actual = Path(expected), Path(actual)
+    names = {p.name for p in expected.iterdir()} | {p.name for p in actual.iterdir()}
+    differ = []
+    for n in sorted(names):
+        if not (expected / n).is_file() or not (actual / n).is_file():
+            differ.append(n)
+            continue
+        a = _without((expected / n).read_text(encoding="utf-8"), paths)
+        b = _without((actual / n).read_text(encoding="utf-8"), paths)
+        if a != b:
+            differ.append(n)
+    return differ
 
 
 def hunk_headers(patch_file):

@@ -2,11 +2,14 @@
 #
 # See LICENSE for license information.
 
-"""Tests for FusedAdam(state_dict_cpu_offload=True) on one GPU.
+"""Tests for FusedAdam(state_dict_cpu_offload=True) on one GPU, against the default path.
 
-The offloaded export is compared bitwise with the default export of the same optimizer
-state, for every moment dtype and master-weight variant, with plain and DTensor
-parameters, and its GPU memory is measured with torch.cuda.max_memory_allocated.
+The export and the load with the option are compared bitwise with the default path for
+each moment dtype and master-weight variant, with plain and DTensor parameters; mismatched
+state dicts, hooks and failures in the middle of an export or a load are checked too.
+test_fused_optimizer.py holds the state_dict round trip against torch.optim.Adam and the
+GPU memory bound; tests/pytorch/distributed/fsdp2_tests/run_fsdp2_fused_adam.py the FSDP2
+and DCP cases.
 """
 
 import copy
@@ -33,11 +36,6 @@ from transformer_engine.pytorch.optimizers import fused_adam
 from transformer_engine.pytorch.tensor.float8_tensor import Float8Tensor
 
 FusedAdam = te.optimizers.FusedAdam
-
-MiB = 1024**2
-
-# Bound on GPU memory allocated by an offloaded state_dict() above what was allocated before.
-OFFLOAD_GPU_BOUND_BYTES = 64 * MiB
 
 MOMENT_DTYPES = {
     "fp32": torch.float32,
@@ -199,14 +197,17 @@ def _default_state_dict(opt):
         opt.state_dict_cpu_offload = offload
 
 
-def _valid_combinations():
-    for exp_avg in MOMENT_DTYPES:
-        for exp_avg_sq in MOMENT_DTYPES:
-            for master in MASTER_VARIANTS:
-                yield exp_avg, exp_avg_sq, master
-
-
-COMBINATIONS = list(_valid_combinations())
+# Each moment dtype in each of the two moments, each master-weight variant twice.
+COMBINATIONS = [
+    ("fp32", "fp32", "no_master"),
+    ("bf16", "bf16", "master_fp32"),
+    ("fp16", "fp16", "master_fp16"),
+    ("fp8", "fp8", "master_fp32"),
+    ("bf16", "fp16", "master_fp32_remainders"),
+    ("fp8", "bf16", "master_fp16"),
+    ("fp16", "fp8", "no_master"),
+    ("fp32", "fp8", "master_fp32_remainders"),
+]
 
 
 @pytest.mark.parametrize("use_dtensor", [False, True], ids=["tensor", "dtensor"])
@@ -258,13 +259,7 @@ def _remap(snapshot, opt_from, opt_to):
 @pytest.mark.parametrize("use_dtensor", [False, True], ids=["tensor", "dtensor"])
 @pytest.mark.parametrize(
     "exp_avg,exp_avg_sq,master",
-    [
-        ("bf16", "bf16", "master_fp32"),
-        ("fp32", "fp32", "no_master"),
-        ("fp16", "fp8", "master_fp16"),
-        ("fp8", "fp8", "master_fp32"),
-        ("bf16", "fp16", "master_fp32_remainders"),
-    ],
+    [("bf16", "bf16", "master_fp32"), ("fp16", "fp8", "master_fp16")],
 )
 def test_load_offloaded_state_dict(exp_avg, exp_avg_sq, master, use_dtensor, request):
     """Loading a CPU export gives bitwise the state and training of loading the default one."""
@@ -338,48 +333,6 @@ def test_invalid_option_rejected(value):
         FusedAdam(params, state_dict_cpu_offload=value)
 
 
-def test_dcp_get_optimizer_state_dict(mesh):  # pylint: disable=unused-argument
-    """DCP's get_optimizer_state_dict(cpu_offload=True) works unchanged and matches."""
-    from torch.distributed.checkpoint.state_dict import (  # pylint: disable=import-outside-toplevel
-        StateDictOptions,
-        get_optimizer_state_dict,
-    )
-
-    torch.manual_seed(0)
-    model = torch.nn.Sequential(
-        torch.nn.Linear(64, 128), torch.nn.GELU(), torch.nn.Linear(128, 16)
-    ).to(device="cuda", dtype=torch.bfloat16)
-    kwargs = _optimizer_kwargs("bf16", "bf16", "master_fp32")
-    opt = FusedAdam(model.parameters(), state_dict_cpu_offload=True, **kwargs)
-    for _ in range(2):
-        model(torch.randn(8, 64, device="cuda", dtype=torch.bfloat16)).float().sum().backward()
-        opt.step()
-        opt.zero_grad()
-    options = StateDictOptions(flatten_optimizer_state_dict=True, cpu_offload=True)
-    offloaded = get_optimizer_state_dict(model, opt, options=options)
-    opt.state_dict_cpu_offload = False
-    reference = get_optimizer_state_dict(model, opt, options=options)
-    assert offloaded.keys() == reference.keys()
-    for key, ref in reference.items():
-        out = offloaded[key]
-        if isinstance(ref, torch.Tensor):
-            assert out.device.type == "cpu" and out.dtype == ref.dtype, key
-            assert torch.equal(out, ref), key
-        else:
-            assert out == ref, key
-
-
-def _peak_gpu_bytes(fn):
-    """GPU memory allocated by `fn()` at its peak, above what was allocated before."""
-    torch.cuda.synchronize()
-    gc.collect()
-    torch.cuda.reset_peak_memory_stats()
-    before = torch.cuda.memory_allocated()
-    result = fn()
-    torch.cuda.synchronize()
-    return result, torch.cuda.max_memory_allocated() - before
-
-
 def _big_optimizer(total_numel, largest_numel, exp_avg, offload):
     """BF16 params totalling `total_numel` elements, the largest of `largest_numel`."""
     sizes = [largest_numel]
@@ -400,30 +353,6 @@ def _big_optimizer(total_numel, largest_numel, exp_avg, offload):
     return params, opt
 
 
-@pytest.mark.parametrize(
-    "total_log2,largest_log2",
-    [(28, 28), (28, 22), (29, 26)],
-    ids=["one_param_2^28", "many_params_2^22", "total_2^29_largest_2^26"],
-)
-@pytest.mark.parametrize("exp_avg", ["bf16", "fp16", "fp8", "fp32"])
-def test_offload_gpu_memory_bound(total_log2, largest_log2, exp_avg):
-    """The offloaded export allocates at most 64 MiB of GPU memory, at any size."""
-    total, largest = 2**total_log2, 2**largest_log2
-    _, opt = _big_optimizer(total, largest, exp_avg, offload=True)
-    offloaded, peak = _peak_gpu_bytes(opt.state_dict)
-    assert peak <= OFFLOAD_GPU_BOUND_BYTES, f"offloaded export peaked at +{peak / MiB:.1f} MiB"
-    for v in offloaded["state"].values():
-        assert all(t.device.type == "cpu" for t in v.values())
-    del offloaded
-
-    # The default export of the same state needs the FP32 copies of the moments on GPU.
-    opt.state_dict_cpu_offload = False
-    default, default_peak = _peak_gpu_bytes(opt.state_dict)
-    del default
-    if exp_avg != "fp32":
-        assert default_peak >= 8 * total, f"default export peaked at +{default_peak / MiB:.1f} MiB"
-
-
 def _host_pinned_bytes():
     stats = torch.cuda.host_memory_stats()
     for key in ("allocated_bytes.current", "allocated_bytes.all.current", "reserved_bytes.current"):
@@ -435,7 +364,7 @@ def _host_pinned_bytes():
 
 def test_repeated_exports_do_not_grow_memory():
     """20 exports in a row leave GPU and pinned host memory where the first one left them."""
-    _, opt = _big_optimizer(2**26, 2**24, "bf16", offload=True)
+    _, opt = _big_optimizer(2**24, 2**22, "bf16", offload=True)
     opt.state_dict()
     gc.collect()
     torch.cuda.synchronize()
@@ -563,36 +492,6 @@ def test_bounded_load_into_new_optimizer(exp_avg, exp_avg_sq, master, use_dtenso
     sd["state"][1] = {}
     opt_a = _load_both_ways(kwargs, mesh, sd, params, target_steps=2)
     assert len(opt_a.state[opt_a.param_groups[0]["params"][1]]) > 0  # made again by step()
-
-
-@pytest.mark.parametrize(
-    "total_log2,largest_log2",
-    [(28, 28), (28, 22)],
-    ids=["one_param_2^28", "many_params_2^22"],
-)
-@pytest.mark.parametrize("exp_avg", ["bf16", "fp16", "fp8", "fp32"])
-def test_bounded_load_gpu_memory(total_log2, largest_log2, exp_avg):
-    """Loading a CPU export into an optimizer that holds state allocates at most 64 MiB of GPU
-    memory above the loaded state; the default path needs 6 bytes per element more."""
-    total, largest = 2**total_log2, 2**largest_log2
-    _, opt = _big_optimizer(total, largest, exp_avg, offload=True)
-    sd = opt.state_dict()
-    for offload in (True, False):
-        opt.state_dict_cpu_offload = offload
-        gc.collect()
-        before = torch.cuda.memory_allocated()
-        _, peak = _peak_gpu_bytes(lambda: opt.load_state_dict(sd))
-        after = torch.cuda.memory_allocated()
-        above_loaded = before + peak - after
-        print(
-            f"load {exp_avg} 2^{total_log2}/2^{largest_log2} offload={offload}: GPU peak "
-            f"+{above_loaded / MiB:.1f} MiB above the loaded state"
-        )
-        assert abs(after - before) <= MiB, "the loaded state differs in size from the old one"
-        if offload:
-            assert above_loaded <= OFFLOAD_GPU_BOUND_BYTES, f"+{above_loaded / MiB:.1f} MiB"
-        else:
-            assert above_loaded >= 6 * total, f"default load peaked at +{above_loaded / MiB} MiB"
 
 
 def _bad_last_state(name, value):

@@ -90,19 +90,26 @@ def test_wrong_hash_is_refused(tmp_path):
         upstream.fetch_pinned(tmp_path / "missing.whl")
 
 
+def _release_patches(t):
+    """The patches of the series that change files of the release's package."""
+    return [p for p in series.patch_files() if target._touched(p, t)]
+
+
 def test_apply_is_idempotent_and_revert_restores_pristine_bytes(tree, pristine):
     t = target.find_target(tree)
     assert t.kind == "tree"
     assert target.status(t)[1] == target.NOT_APPLIED
     assert target.file_report(t) == [(FUSED_ADAM, "pristine 2.20.2")]
+    count = len(_release_patches(t))
+    assert count == 3  # the export, the load, the docstring fix
 
-    assert "applied 2 patch" in target.apply(t)
+    assert f"applied {count} patch" in target.apply(t)
     assert target.status(t)[1] == target.APPLIED
     assert target.file_report(t) == [(FUSED_ADAM, "patched by this series")]
     assert "state_dict_cpu_offload" in (tree / FUSED_ADAM).read_text(encoding="utf-8")
     assert target.apply(t) == "already applied; nothing to do"
 
-    assert "reverted 2 patch" in target.revert(t)
+    assert f"reverted {count} patch" in target.revert(t)
     assert _same_tree(tree / "transformer_engine", pristine / "transformer_engine")
     assert target.revert(t) == "not applied; nothing to do"
 
@@ -179,9 +186,9 @@ def test_offset_applies_and_reverts_exactly(tree):
 
 
 def test_drift_report_on_pristine_and_drifted_trees(tree, pristine):
-    assert [r[1] for r in drift.check_tree(pristine)] == [drift.CLEAN, drift.CLEAN]
+    assert [r[1] for r in drift.check_tree(pristine)] == [drift.CLEAN] * 3
     _drift_context(tree)
-    assert [r[1] for r in drift.check_tree(tree)] == [drift.CONFLICT, target.NOT_CHECKED]
+    assert [r[1] for r in drift.check_tree(tree)] == [drift.CONFLICT] + [target.NOT_CHECKED] * 2
 
 
 def _git(args, cwd):
@@ -192,7 +199,27 @@ def _git(args, cwd):
     ).stdout
 
 
-def test_checkout_gets_the_series_as_commits(tree):
+def _as_main(tree, monkeypatch):
+    """Make the release tree stand in for a checkout of main: with the pinned main tree at
+    hand (cached, or TE_SOURCE), add the main files the series changes; without it, only the
+    patches that need none of them make the series. Returns the series' subjects."""
+    main = mainline.main_tree()
+    entries = series.load_series()["patch"]
+    if main is not None:
+        for rel in series.main_paths():
+            (tree / rel).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copyfile(main / rel, tree / rel)
+        return [e["subject"] for e in entries]
+    changed_main = set(series.main_paths())
+    needs_main = [bool(changed_main & set(series.entry_paths(e))) for e in entries]
+    kept = [p for p, needs in zip(series.patch_files(), needs_main) if not needs]
+    monkeypatch.setattr(target, "patch_files", lambda: kept)
+    monkeypatch.setattr(mainline, "patch_files", lambda: kept)
+    return [e["subject"] for e, needs in zip(entries, needs_main) if not needs]
+
+
+def test_checkout_gets_the_series_as_commits(tree, monkeypatch):
+    expected = _as_main(tree, monkeypatch)
     _git(["init", "-q", "-b", "main"], tree)
     _git(["add", "-A"], tree)
     _git(["commit", "-qm", "TE 2.20.2"], tree)
@@ -200,17 +227,18 @@ def test_checkout_gets_the_series_as_commits(tree):
     t = target.find_target(tree)
     assert t.kind == "checkout"
     assert "git am" in target.apply(t)
-    expected = [p["subject"] for p in series.load_series()["patch"]]
     subjects = _git(["log", "--format=%s", f"-{len(expected)}"], tree).splitlines()[::-1]
     assert subjects == expected
     body = _git(["log", "-1", "--format=%B"], tree)
     assert "Signed-off-by: " in body
-    assert (tree / "tests/pytorch/test_fused_adam_state_dict_offload.py").is_file()
+    assert "state_dict_cpu_offload" in (tree / FUSED_ADAM).read_text(encoding="utf-8")
+    new_test = tree / "tests/pytorch/test_fused_adam_state_dict_offload.py"
+    assert new_test.is_file() == (len(expected) == len(series.patch_files()))
     assert target.status(t)[1] == target.APPLIED
     assert target.apply(t) == "already applied; nothing to do"
     target.revert(t)
     assert _git(["rev-parse", "HEAD"], tree).strip() == base
-    assert not (tree / "tests").exists()
+    assert not (tree / "tests/pytorch/test_fused_adam_state_dict_offload.py").exists()
     assert target.status(t)[1] == target.NOT_APPLIED
 
 
@@ -300,13 +328,17 @@ def test_partly_applied_target_is_completed_or_reverted(tree, pristine, way_out)
 
 
 def test_materialize_writes_the_stages_of_a_file_changed_twice(tmp_path, tree):
-    """fused_adam.py is changed by patches 1 and 2: .stages/0001/ holds it after patch 1."""
-    assert series.staged_paths() == {0: [FUSED_ADAM]}
+    """fused_adam.py is changed by patches 1, 2 and 5: .stages/0001/ and .stages/0002/ hold it
+    after patches 1 and 2."""
+    assert series.staged_paths() == {0: [FUSED_ADAM], 1: [FUSED_ADAM]}
     cli.materialize(tmp_path / "m")
-    target.apply_all(target.find_target(tree), series.patch_files()[:1])
-    stage = tmp_path / "m" / ".stages" / "0001" / FUSED_ADAM
-    assert stage.read_bytes() == (tree / FUSED_ADAM).read_bytes()
-    assert stage.read_bytes() != (tmp_path / "m" / FUSED_ADAM).read_bytes()
+    stages = []
+    for index, patch in enumerate(series.patch_files()[:2]):
+        target.apply_all(target.find_target(tree), [patch])
+        stage = tmp_path / "m" / ".stages" / f"{index + 1:04d}" / FUSED_ADAM
+        assert stage.read_bytes() == (tree / FUSED_ADAM).read_bytes()
+        stages.append(stage.read_bytes())
+    assert len({*stages, (tmp_path / "m" / FUSED_ADAM).read_bytes()}) == 3
     with pytest.raises(ToolError, match="already exists"):
         cli.materialize(tmp_path / "m")
 
@@ -322,6 +354,64 @@ def test_only_upstream_files_may_be_changed_by_several_patches(monkeypatch):
 def test_patches_are_up_to_date():
     """The CI check: the series regenerates itself byte for byte from the repository."""
     assert cli.main(["refresh", "--check"]) == 0
+
+
+@pytest.fixture
+def no_main_tree(monkeypatch):
+    """As in CI: no TE source given and no main tree cached."""
+    monkeypatch.delenv("TE_SOURCE", raising=False)
+    monkeypatch.setattr(cli, "main_tree", lambda source=None: None)
+
+
+def test_refresh_check_without_main_checks_all_but_the_main_diffs(no_main_tree, capsys):
+    """Without the pinned main tree, the check regenerates the series with stand-ins for the
+    main files: every message and every other diff must match, and it says what it skipped."""
+    assert cli.main(["refresh", "--check"]) == 0
+    out = capsys.readouterr().out
+    assert "patches/ is up to date" in out
+    assert "SKIPPED: the diffs of" in out and "tests/pytorch/test_fused_optimizer.py" in out
+
+
+def test_refresh_check_without_main_finds_a_stale_message(no_main_tree, monkeypatch):
+    changed = series.load_series()
+    entry = next(e for e in changed["patch"] if e.get("main_paths"))
+    entry["body"] = entry["body"] + "\nOne more line.\n"
+    monkeypatch.setattr(series, "load_series", lambda: changed)
+    assert cli.main(["refresh", "--check"]) == 1
+
+
+def test_refresh_without_main_refuses_to_write(no_main_tree, capsys):
+    assert cli.main(["refresh"]) == 1
+    assert "pass --source or set TE_SOURCE" in capsys.readouterr().err
+
+
+def test_materialize_without_main_says_what_it_skipped(no_main_tree, tmp_path):
+    message = cli.materialize(tmp_path)
+    assert "SKIPPED: " in message and "te-main" in message
+    assert not (tmp_path / "te-main").exists()
+
+
+def test_main_sections_are_left_out_of_the_comparison():
+    text = (
+        "Subject: [PATCH 1/1] x\n---\n a/b.py          | 2 +-\n tests/t.py | 10 ++++\n"
+        " 2 files changed, 11 insertions(+), 1 deletion(-)\n create mode 100644 tests/t.py\n\n"
+        "diff --git a/a/b.py b/a/b.py\n-old\n+new\n"
+        "diff --git a/tests/t.py b/tests/t.py\n+stand-in\n-- \n"
+    )
+    kept = series._without(text, ["tests/t.py"])
+    assert kept == "Subject: [PATCH 1/1] x\n---\n\ndiff --git a/a/b.py b/a/b.py\n-old\n+new\n-- \n"
+
+
+@pytest.mark.skipif(mainline.main_tree() is None, reason="needs the pinned main tree (TE_SOURCE)")
+def test_materialize_makes_the_patched_main_tree(tmp_path):
+    """te-main/: the pinned main tree with the whole series, as the pull request makes it."""
+    message = cli.materialize(tmp_path)
+    assert "te-main: upstream main" in message
+    main = tmp_path / "te-main"
+    assert (main / "tests/pytorch/test_fused_adam_state_dict_offload.py").is_file()
+    for rel in series.main_paths():
+        assert (main / rel).read_bytes() != (mainline.main_tree() / rel).read_bytes(), rel
+    assert "state_dict_cpu_offload" in (main / "tests/pytorch/test_fused_optimizer.py").read_text()
 
 
 def test_series_is_format_patch_output_with_cover_letter_and_sign_off():
@@ -381,11 +471,12 @@ def _main_repo(tree, monkeypatch):
 
 
 def test_check_main_applies_the_series_in_a_scratch_clone(tree, monkeypatch):
+    subjects = _as_main(tree, monkeypatch)
     commit = _main_repo(tree, monkeypatch)
     report = mainline.check_main(tree)
-    assert f"git am of {len(series.patch_files())} patches" in report and ": applied" in report
-    for entry in series.load_series()["patch"]:
-        assert entry["subject"] in report
+    assert f"git am of {len(subjects)} patches" in report and ": applied" in report
+    for subject in subjects:
+        assert subject in report
     assert _git(["rev-parse", "HEAD"], tree).strip() == commit
     assert not _git(["status", "--porcelain"], tree).strip()
 
