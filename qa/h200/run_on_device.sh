@@ -5,15 +5,18 @@
 #
 # Run the GPU tier on a bare GPU machine that has torch but no TransformerEngine: install real
 # TE from a kit (see CONTRIBUTING.md), patch it with the series, run the chosen stages.
-#   usage: qa/h200/run_on_device.sh KIT_DIR LOG_DIR STAGE...
+#   usage: TE_PATH=te-main qa/h200/run_on_device.sh KIT_DIR LOG_DIR STAGE...
 #   stages: single  dist  bench  bench_omp1  nightly
-# SINGLE_ARGS / DIST_ARGS add pytest arguments (e.g. -k), SINGLE_TIMEOUT / DIST_TIMEOUT
-# bound those stages in seconds.
+# The test files are TE's, as the series changes them, from TE_PATH (default te-main, the
+# patched upstream main tree of 'python -m build_tools materialize --source ...'; carry its
+# tests/pytorch to the machine). SINGLE_ARGS / DIST_ARGS add pytest arguments (e.g. -k),
+# SINGLE_TIMEOUT / DIST_TIMEOUT bound those stages in seconds.
 # Every stage logs to LOG_DIR/STAGE.log (JUnit XML and benchmark rows beside it); the script
 # exits non-zero if any stage failed.
 set -uo pipefail
 KIT=${1:?kit dir}; LOG=${2:?log dir}; shift 2
 mkdir -p "$LOG"
+TE_PATH=$(cd "${TE_PATH:-te-main}" && pwd) || exit 1
 export PYTHONUNBUFFERED=1
 # NVLink multicast stays off on shared hosts.
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
@@ -47,11 +50,16 @@ eval "single_args=(${SINGLE_ARGS:-})"
 eval "dist_args=(${DIST_ARGS:-})"
 for stage in "$@"; do
     case $stage in
-    single) run single timeout ${SINGLE_TIMEOUT:-900} python3 -m pytest -q -rs tests/pytorch/test_fused_adam_state_dict_offload.py --junitxml="$LOG/single.xml" "${single_args[@]}" ;;
-    dist) run dist timeout ${DIST_TIMEOUT:-1200} python3 -m pytest -q -rs -s tests/pytorch/distributed/test_fused_adam_state_dict_offload_dcp.py --junitxml="$LOG/dist.xml" "${dist_args[@]}" ;;
+    single) run single timeout ${SINGLE_TIMEOUT:-900} python3 -m pytest -q -rs --durations=5 \
+        "$TE_PATH/tests/pytorch/test_fused_optimizer.py" \
+        "$TE_PATH/tests/pytorch/test_fused_adam_state_dict_offload.py" \
+        --junitxml="$LOG/single.xml" "${single_args[@]}" ;;
+    dist) run dist timeout ${DIST_TIMEOUT:-1200} python3 -m pytest -v -rs -s \
+        "$TE_PATH/tests/pytorch/distributed/test_torch_fsdp2.py" -k "fused_adam and not hybrid" \
+        --junitxml="$LOG/dist.xml" "${dist_args[@]}" ;;
     bench) run bench timeout 900 python3 $BENCH --csv "$LOG/bench.csv" ${BENCH_ARGS:-} ;;
     bench_omp1) run bench_omp1 env OMP_NUM_THREADS=1 timeout 900 python3 $BENCH --csv "$LOG/bench.csv" ${BENCH_OMP1_ARGS:-${BENCH_ARGS:-}} ;;
-    nightly) run nightly env XML_LOG_DIR="$LOG" bash qa/L1_pytorch_fused_adam_state_dict_offload/test.sh ;;
+    nightly) run nightly env XML_LOG_DIR="$LOG" TE_PATH="$TE_PATH" bash qa/L1_pytorch_fused_adam_state_dict_offload/test.sh ;;
     *) echo "unknown stage $stage"; status=1 ;;
     esac
 done
