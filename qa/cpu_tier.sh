@@ -2,10 +2,13 @@
 # The CPU tier, what CI runs (.ci/run): no GPU needed, network to the package index needed.
 #   bash qa/cpu_tier.sh
 # Creates .venv (reused when present) with requirements-ci.txt and this package, then checks:
-# the series against the pinned and the newest TE release, with TE_SOURCE=<a TE git clone>
-# also against the pinned upstream main commit (skipped otherwise), patches/ not stale, the tool's
-# tests, the patched fused_adam.py (compile, black, pylint), the docs build, and collection
-# of the GPU tests (they skip with a reason here).
+# the series against the pinned and the newest TE release, patches/ not stale, the tool's tests,
+# the patched fused_adam.py (compile, black, pylint), the docs build, and collection of the GPU
+# tests (they skip with a reason here). With TE_SOURCE=<a TE git clone holding the pinned main
+# commit> also: the series git-am's onto main, patches/ regenerates in full (without it, the
+# diffs of upstream main files are not regenerated, and it says so), black on the main files
+# the series changes, and TE's own docs of the patched main tree build with -W (their
+# toolchain goes into .venv-te-docs).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 if [ -z "${VIRTUAL_ENV:-}" ]; then
@@ -44,13 +47,29 @@ fi
 step "materialize pristine TE + the series" python -m build_tools materialize --dest "$WORK"
 FA="$WORK/transformer_engine/pytorch/optimizers/fused_adam.py"
 step "patched fused_adam.py compiles" python -m py_compile "$FA"
-step "black (TE settings)" "${BLACK[@]}" "$FA" build_tools benchmarks tests setup.py docs/conf.py
+step "black (TE settings)" "${BLACK[@]}" "$FA" build_tools benchmarks tests setup.py docs/conf.py qa/te_docs
 step "pylint (TE settings) on the patched fused_adam.py and the tool" \
     pylint --rcfile=.pylintrc "$FA" build_tools
 step "installed command works on the materialized tree" te-fusedadam-offload status "$WORK"
 step "docs build without warnings" sphinx-build -W -q -b html docs "$WORK/docs-html"
 step "tests: the tool's own, and collection of the GPU tests" \
     pytest_ok python -m pytest -rs -q tests/tool tests/pytorch
+if [ -n "${TE_SOURCE:-}" ]; then
+    mapfile -t MAIN_PY < <(python -c "from build_tools.series import main_paths
+print('\n'.join(p for p in main_paths() if p.endswith('.py')))")
+    step "black (TE settings) on the upstream main files the series changes" \
+        "${BLACK[@]}" "${MAIN_PY[@]/#/$WORK/te-main/}"
+    if [ ! -x .venv-te-docs/bin/sphinx-build ]; then
+        python3 -m venv .venv-te-docs && .venv-te-docs/bin/pip install -q -r qa/te_docs/requirements.txt
+    fi
+    PANDOC_DIR=$(.venv-te-docs/bin/python -c "import os, pypandoc; print(os.path.dirname(pypandoc.get_pandoc_path()))")
+    step "TE's docs of the patched main tree build with -W (TE's toolchain, qa/te_docs)" \
+        env PATH="$PANDOC_DIR:$PATH" TE_DOCS="$WORK/te-main/docs" .venv-te-docs/bin/sphinx-build \
+        -W -q -b html -c qa/te_docs "$WORK/te-main/docs" "$WORK/te-docs-html"
+else
+    echo "=== SKIPPED: black on the upstream main files and TE's docs of the patched main tree:" \
+        "no TE source given (set TE_SOURCE to a TransformerEngine git clone to run them)"
+fi
 
 if [ ${#FAILED[@]} -gt 0 ]; then
     echo "FAILED: ${FAILED[*]}"
