@@ -55,8 +55,8 @@ def materialize(dest, wheel=None, source=None):
     pin = load_pin()
     dest = Path(dest)
     tree, stages = dest / pin["subtree"], dest / STAGES_DIR
-    main = main_tree(source) if main_paths() else None
-    for path in (tree, stages, *([dest / MAIN_DIR] if main else [])):
+    main_root = main_tree(source) if main_paths() else None
+    for path in (tree, stages, *([dest / MAIN_DIR] if main_root else [])):
         if path.exists():
             raise ToolError(
                 f"{path} already exists; remove it first (after 'refresh', if it holds edits "
@@ -72,8 +72,8 @@ def materialize(dest, wheel=None, source=None):
         shutil.rmtree(stages, ignore_errors=True)
         raise
     lines = [f"{tree}: {pin['package']} {pin['version']} + series ({message})"]
-    if main is not None:
-        lines.append(_materialize_main(main, dest / MAIN_DIR))
+    if main_root is not None:
+        lines.append(_materialize_main(main_root, dest / MAIN_DIR))
     elif main_paths():
         lines.append(
             f"SKIPPED: {dest / MAIN_DIR} (upstream main + the series, where its changes to "
@@ -83,10 +83,10 @@ def materialize(dest, wheel=None, source=None):
     return "\n".join(lines)
 
 
-def _materialize_main(main, dest):
+def _materialize_main(main_root, dest):
     """The pinned main tree + the whole series, in `dest`."""
     main_pin = load_pin()["main"]
-    shutil.copytree(main, dest, ignore=shutil.ignore_patterns(".commit"))
+    shutil.copytree(main_root, dest, ignore=shutil.ignore_patterns(".commit"))
     try:
         applied = apply_all(Target(dest, "checkout"), patch_files())
     except ToolError:
@@ -160,7 +160,12 @@ def cmd_refresh(args):
     repo = _repo()
     subtree = load_pin()["subtree"]
     changed_main = main_paths()
-    main = main_tree(args.source) if changed_main else None
+    main_root = main_tree(args.source) if changed_main else None
+    if not args.check and changed_main and main_root is None:
+        raise ToolError(
+            "the series changes upstream main files; pass --source or set TE_SOURCE "
+            "to a TransformerEngine git clone holding the pinned main commit"
+        )
     with tempfile.TemporaryDirectory() as tmp:
         if args.check:
             # From a fresh clone: the series applied to the pristine release (and main) must
@@ -171,16 +176,11 @@ def cmd_refresh(args):
             tree_root = repo
             if not (repo / subtree).is_dir():
                 raise ToolError(f"{repo / subtree} does not exist; run 'materialize' first")
-            if changed_main and main is None:
-                raise ToolError(
-                    "the series changes upstream main files; pass --source or set TE_SOURCE "
-                    "to a TransformerEngine git clone holding the pinned main commit"
-                )
             if changed_main and not (repo / MAIN_DIR).is_dir():
                 raise ToolError(f"{repo / MAIN_DIR} does not exist; run 'materialize' first")
-        overlay = _series_sources(tree_root, Path(tmp) / "sources", with_main=main is not None)
-        out = generate(overlay, Path(tmp) / "out", args.wheel, main)
-        if main is None and changed_main:
+        overlay = _series_sources(tree_root, Path(tmp) / "sources", with_main=main_root is not None)
+        out = generate(overlay, Path(tmp) / "out", args.wheel, main_root)
+        if main_root is None and changed_main:
             changed = compare_without_main(patches_dir(), out, changed_main)
         else:
             changed = compare_dirs(patches_dir(), out)
@@ -188,7 +188,7 @@ def cmd_refresh(args):
             if changed:
                 raise ToolError("patches/ is stale: 'refresh' would change " + ", ".join(changed))
             print(f"patches/ is up to date ({len(patch_files())} patches)")
-            if main is None and changed_main:
+            if main_root is None and changed_main:
                 print(
                     f"SKIPPED: the diffs of {len(changed_main)} upstream main files "
                     f"({', '.join(changed_main)}) and the diffstats were not regenerated: no "

@@ -67,7 +67,9 @@ def main_tree(source=None):
             check=True,
         ).stdout
     except subprocess.CalledProcessError as exc:
-        raise ToolError(f"git archive {main['commit']} failed: {exc.stderr.decode().strip()}")
+        raise ToolError(
+            f"git archive {main['commit']} failed: {exc.stderr.decode().strip()}"
+        ) from exc
     tmp = Path(tempfile.mkdtemp(dir=cache_dir()))
     with tarfile.open(fileobj=io.BytesIO(archive)) as tar:
         if hasattr(tarfile, "data_filter"):
