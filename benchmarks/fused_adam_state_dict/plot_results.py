@@ -8,7 +8,7 @@
 
 Writes gpu_peak_vs_total.png, gpu_peak_vs_largest.png and throughput.png for the export
 modes and, if the run has load modes, load.png, each with the command that regenerates it in
-its footer.
+its footer. For a run of benchmark_dcp_checkpoint.py, dcp_checkpoint.png.
 """
 
 import argparse
@@ -169,6 +169,44 @@ def plot_load(rows, source, out):
     return True
 
 
+DCP_BARS = [
+    ("export (optimizer)", "save", "export_optim_s"),
+    ("dcp.save", "save", "save_s"),
+    ("async_save:\nblocked", "async_save", "blocked_s"),
+    ("async_save, async\nstaging: blocked", "async_staged", "blocked_s"),
+    ("the same, model state\non GPU: blocked", "async_staged_gpu_model", "blocked_s"),
+    ("resume", "resume", "resume_s"),
+]
+
+
+def plot_dcp(rows, source, out):
+    """benchmark_dcp_checkpoint.py: seconds per checkpoint step, default against the option."""
+    fig, ax = plt.subplots(figsize=(10, 4.5))
+    for i, mode in enumerate(("default", "offload")):
+        values = []
+        for _, step, key in DCP_BARS:
+            match = [r for r in rows if r["mode"] == mode and r["step"] == step]
+            values.append(match[-1].get(key, 0) if match else 0)
+        xs = [j + i * 0.4 for j in range(len(DCP_BARS))]
+        label = "default" if mode == "default" else "state_dict_cpu_offload=True"
+        ax.bar(xs, values, width=0.4, label=label)
+        for x, v in zip(xs, values):
+            ax.annotate(f"{v:.2f}", (x, v), ha="center", va="bottom", fontsize=7)
+    ax.set_xticks([j + 0.2 for j in range(len(DCP_BARS))], [b[0] for b in DCP_BARS], fontsize=7)
+    ax.set_ylabel("seconds (slowest rank)")
+    first = rows[0]
+    ax.set_title(
+        f"FSDP2 + DCP checkpoint, {first['world_size']}x {first['gpu']}, 2^{first['local_log2']}"
+        " BF16 parameter elements per rank, BF16 moments, FP32 master weights",
+        fontsize=9,
+    )
+    ax.legend(fontsize=8)
+    fig.subplots_adjust(bottom=0.25)
+    env = f"torch {first['torch']}, TE {first['te']}, {first['cpus']} CPUs"
+    _footer(fig, source, env)
+    fig.savefig(out / "dcp_checkpoint.png", dpi=120)
+
+
 def main():
     """Parse arguments, write the figures."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -178,6 +216,10 @@ def main():
     rows = load(args.jsonl)
     out = Path(args.out) if args.out else Path(args.jsonl).parent
     out.mkdir(parents=True, exist_ok=True)
+    if "step" in rows[0]:
+        plot_dcp(rows, args.jsonl, out)
+        print(f"wrote {out}/dcp_checkpoint.png")
+        return
     plot_peak(rows, args.jsonl, out, "total")
     plot_peak(rows, args.jsonl, out, "largest")
     plot_throughput(rows, args.jsonl, out)

@@ -6,7 +6,7 @@
 # Run the GPU tier on a bare GPU machine that has torch but no TransformerEngine: install real
 # TE from a kit (see CONTRIBUTING.md), patch it with the series, run the chosen stages.
 #   usage: TE_PATH=te-main qa/h200/run_on_device.sh KIT_DIR LOG_DIR STAGE...
-#   stages: single  dist  bench  bench_omp1  nightly
+#   stages: single  dist  bench  bench_omp1  nightly  dcp  dcp_oom
 # The test files are TE's, as the series changes them, from TE_PATH (default te-main, the
 # patched upstream main tree of 'python -m build_tools materialize --source ...'; carry its
 # tests/pytorch to the machine). SINGLE_ARGS / DIST_ARGS add pytest arguments (e.g. -k),
@@ -16,7 +16,7 @@
 set -uo pipefail
 KIT=${1:?kit dir}; LOG=${2:?log dir}; shift 2
 mkdir -p "$LOG"
-TE_PATH=$(cd "${TE_PATH:-te-main}" && pwd) || exit 1
+TE_PATH=$(cd "${TE_PATH:-te-main}" 2>/dev/null && pwd || echo "${TE_PATH:-te-main}")
 export PYTHONUNBUFFERED=1
 # NVLink multicast stays off on shared hosts.
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
@@ -45,6 +45,8 @@ run() {  # run NAME COMMAND...: log, time, remember failure
     [ $rc -eq 0 ] || status=1
 }
 BENCH=benchmarks/fused_adam_state_dict/benchmark_state_dict_offload.py
+DCP_BENCH=benchmarks/fused_adam_state_dict/benchmark_dcp_checkpoint.py
+NGPUS=$(nvidia-smi -L | wc -l)
 # Shell words, quotes kept: SINGLE_ARGS='-k "load and not gpu_memory"'.
 eval "single_args=(${SINGLE_ARGS:-})"
 eval "dist_args=(${DIST_ARGS:-})"
@@ -59,6 +61,10 @@ for stage in "$@"; do
         --junitxml="$LOG/dist.xml" "${dist_args[@]}" ;;
     bench) run bench timeout 900 python3 $BENCH --csv "$LOG/bench.csv" ${BENCH_ARGS:-} ;;
     bench_omp1) run bench_omp1 env OMP_NUM_THREADS=1 timeout 900 python3 $BENCH --csv "$LOG/bench.csv" ${BENCH_OMP1_ARGS:-${BENCH_ARGS:-}} ;;
+    dcp) run dcp timeout ${DCP_TIMEOUT:-900} python3 -m torch.distributed.run --standalone \
+        --nproc_per_node=$NGPUS $DCP_BENCH --out "$LOG/dcp.jsonl" ${DCP_ARGS:-} ;;
+    dcp_oom) run dcp_oom timeout ${DCP_TIMEOUT:-900} python3 -m torch.distributed.run --standalone \
+        --nproc_per_node=$NGPUS $DCP_BENCH --oom-demo --out "$LOG/dcp_oom.jsonl" ${DCP_ARGS:-} ;;
     nightly) run nightly env XML_LOG_DIR="$LOG" TE_PATH="$TE_PATH" bash qa/L1_pytorch_fused_adam_state_dict_offload/test.sh ;;
     *) echo "unknown stage $stage"; status=1 ;;
     esac
