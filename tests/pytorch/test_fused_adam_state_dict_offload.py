@@ -27,15 +27,32 @@ if not torch.cuda.is_available():
     pytest.skip("FusedAdam state_dict CPU offload tests need a CUDA GPU.", allow_module_level=True)
 
 # pylint: disable=wrong-import-position
+import transformer_engine.pytorch as te
+from transformer_engine.pytorch import is_bf16_available
+
+if not te.torch_version() >= (2, 4, 0):
+    pytest.skip("Requires PyTorch 2.4.0+ (DTensor states).", allow_module_level=True)
+if not is_bf16_available():
+    pytest.skip("bf16 is not supported (the parameters are BF16).", allow_module_level=True)
+
 import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 
-import transformer_engine.pytorch as te
 from transformer_engine.pytorch.optimizers import fused_adam
 from transformer_engine.pytorch.tensor.float8_tensor import Float8Tensor
 
 FusedAdam = te.optimizers.FusedAdam
+
+# FP8 moments need FP8 support.
+fp8_available, reason_for_no_fp8 = te.is_fp8_available(return_reason=True)
+requires_fp8 = pytest.mark.skipif(not fp8_available, reason=reason_for_no_fp8)
+
+
+def _cases(*combinations):
+    """(exp_avg, exp_avg_sq, master) parameters, those with FP8 moments marked requires_fp8."""
+    return [pytest.param(*c, marks=[requires_fp8] if "fp8" in c[:2] else []) for c in combinations]
+
 
 MOMENT_DTYPES = {
     "fp32": torch.float32,
@@ -198,7 +215,7 @@ def _default_state_dict(opt):
 
 
 # Each moment dtype in each of the two moments, each master-weight variant twice.
-COMBINATIONS = [
+COMBINATIONS = _cases(
     ("fp32", "fp32", "no_master"),
     ("bf16", "bf16", "master_fp32"),
     ("fp16", "fp16", "master_fp16"),
@@ -207,7 +224,7 @@ COMBINATIONS = [
     ("fp8", "bf16", "master_fp16"),
     ("fp16", "fp8", "no_master"),
     ("fp32", "fp8", "master_fp32_remainders"),
-]
+)
 
 
 @pytest.mark.parametrize("use_dtensor", [False, True], ids=["tensor", "dtensor"])
@@ -259,7 +276,7 @@ def _remap(snapshot, opt_from, opt_to):
 @pytest.mark.parametrize("use_dtensor", [False, True], ids=["tensor", "dtensor"])
 @pytest.mark.parametrize(
     "exp_avg,exp_avg_sq,master",
-    [("bf16", "bf16", "master_fp32"), ("fp16", "fp8", "master_fp16")],
+    _cases(("bf16", "bf16", "master_fp32"), ("fp16", "fp8", "master_fp16")),
 )
 def test_load_offloaded_state_dict(exp_avg, exp_avg_sq, master, use_dtensor, request):
     """Loading a CPU export gives bitwise the state and training of loading the default one."""
@@ -479,7 +496,11 @@ def test_bounded_load_matches_default_load(
 @pytest.mark.parametrize("use_dtensor", [False, True], ids=["tensor", "dtensor"])
 @pytest.mark.parametrize(
     "exp_avg,exp_avg_sq,master",
-    [("bf16", "bf16", "master_fp32"), ("fp8", "fp16", "master_fp16"), ("fp32", "fp8", "no_master")],
+    _cases(
+        ("bf16", "bf16", "master_fp32"),
+        ("fp8", "fp16", "master_fp16"),
+        ("fp32", "fp8", "no_master"),
+    ),
 )
 def test_bounded_load_into_new_optimizer(exp_avg, exp_avg_sq, master, use_dtensor, request):
     """An optimizer that never stepped loads as with the default path; so does a state dict
@@ -552,6 +573,7 @@ MISMATCHES = {
 
 
 @pytest.mark.parametrize("mismatch", sorted(MISMATCHES))
+@requires_fp8
 def test_bounded_load_rejects_mismatch(mismatch):
     """A state dict that does not fit the optimizer raises and changes nothing."""
     change, error, match = MISMATCHES[mismatch]
@@ -570,6 +592,7 @@ def test_bounded_load_rejects_mismatch(mismatch):
     del params
 
 
+@requires_fp8
 def test_bounded_load_non_contiguous_cpu_values():
     """CPU values in another memory order load as their contiguous copies do."""
     kwargs = _optimizer_kwargs("fp8", "bf16", "master_fp16")
@@ -609,6 +632,7 @@ def test_bounded_load_rejects_dtensor_mismatch(mesh):
     _assert_raw_state_equal(_raw_state(target), live)
 
 
+@requires_fp8
 def test_bounded_load_hooks():
     """Pre-hooks run first and what they return is loaded; post-hooks see the loaded state,
     as with torch.optim.Optimizer."""
@@ -751,6 +775,7 @@ def test_failed_load_raises_until_a_load_succeeds(fault, monkeypatch):
         assert torch.equal(p, p_target)
 
 
+@requires_fp8
 def test_failed_load_then_default_load(monkeypatch):
     """After a failed bounded load, a load with the default path also makes the optimizer
     usable again."""
