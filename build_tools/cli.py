@@ -11,12 +11,11 @@ from pathlib import Path
 from . import __version__
 from .drift import CONFLICT, drift
 from .errors import ToolError
-from .mainline import MAIN_DIR, check_main, main_tree
+from .mainline import MAIN_DIR, check_main, main_source, main_tree
 from .paths import repo_root
 from .series import (
     STAGES_DIR,
     compare_dirs,
-    compare_without_main,
     entry_paths,
     generate,
     load_series,
@@ -161,7 +160,9 @@ def cmd_refresh(args):
     subtree = load_pin()["subtree"]
     changed_main = main_paths()
     main_root = main_tree(args.source) if changed_main else None
-    if not args.check and changed_main and main_root is None:
+    # Without the main tree, the diffs of the main files cannot be made: only --check runs.
+    partial = bool(changed_main) and main_root is None
+    if partial and not args.check:
         raise ToolError(
             "the series changes upstream main files; pass --source or set TE_SOURCE "
             "to a TransformerEngine git clone holding the pinned main commit"
@@ -178,17 +179,14 @@ def cmd_refresh(args):
                 raise ToolError(f"{repo / subtree} does not exist; run 'materialize' first")
             if changed_main and not (repo / MAIN_DIR).is_dir():
                 raise ToolError(f"{repo / MAIN_DIR} does not exist; run 'materialize' first")
-        overlay = _series_sources(tree_root, Path(tmp) / "sources", with_main=main_root is not None)
+        overlay = _series_sources(tree_root, Path(tmp) / "sources", with_main=not partial)
         out = generate(overlay, Path(tmp) / "out", args.wheel, main_root)
-        if main_root is None and changed_main:
-            changed = compare_without_main(patches_dir(), out, changed_main)
-        else:
-            changed = compare_dirs(patches_dir(), out)
+        changed = compare_dirs(patches_dir(), out, changed_main if partial else ())
         if args.check:
             if changed:
                 raise ToolError("patches/ is stale: 'refresh' would change " + ", ".join(changed))
             print(f"patches/ is up to date ({len(patch_files())} patches)")
-            if main_root is None and changed_main:
+            if partial:
                 print(
                     f"SKIPPED: the diffs of {len(changed_main)} upstream main files "
                     f"({', '.join(changed_main)}) and the diffstats were not regenerated: no "
@@ -263,7 +261,7 @@ def cmd_drift(args):
 def cmd_check_main(args):
     """git am the series onto the pinned upstream main commit, in a scratch clone of a TE
     git repository (SOURCE, or $TE_SOURCE), which is left unchanged."""
-    source = args.source or os.environ.get("TE_SOURCE")
+    source = main_source(args.source)
     if not source:
         raise ToolError("no TE source given: pass the path of a TransformerEngine git clone")
     print(check_main(source))

@@ -150,7 +150,7 @@ def generate(source_root, out_dir, wheel=None, main=None):
     the pinned main commit), the main files the series changes, with fixed identity and dates,
     so the output depends only on the files and series.toml. Without `main`, each main file
     is a stand-in: the output then differs from the series only in the diffs of the main
-    files and the diffstats (see `compare_without_main`).
+    files and the diffstats (see `compare_dirs`).
     """
     series = load_series()
     changed_main = main_paths(series)
@@ -272,16 +272,24 @@ def load_checksums(directory=None):
     return table
 
 
-def compare_dirs(expected, actual):
-    """Names of files that differ between two series directories (missing counts)."""
+def compare_dirs(expected, actual, main_paths_aside=()):
+    """Names of files that differ between two series directories (missing counts). With
+    `main_paths_aside` (`actual` was generated without those upstream main files), their diffs
+    and the diffstats are left out of the comparison."""
     expected, actual = Path(expected), Path(actual)
     names = {p.name for p in expected.iterdir()} | {p.name for p in actual.iterdir()}
+
+    def same(n):
+        if not main_paths_aside:
+            return filecmp.cmp(expected / n, actual / n, shallow=False)
+        return _without((expected / n).read_text(encoding="utf-8"), main_paths_aside) == (
+            _without((actual / n).read_text(encoding="utf-8"), main_paths_aside)
+        )
+
     return sorted(
         n
         for n in names
-        if not (expected / n).is_file()
-        or not (actual / n).is_file()
-        or not filecmp.cmp(expected / n, actual / n, shallow=False)
+        if not (expected / n).is_file() or not (actual / n).is_file() or not same(n)
     )
 
 
@@ -304,23 +312,6 @@ def _without(text, paths):
             continue
         out.append(line)
     return "".join(out)
-
-
-def compare_without_main(expected, actual, paths):
-    """Names of files that differ between the committed series (`expected`) and one generated
-    without the upstream main files `paths` (`actual`), their diffs and the diffstats aside."""
-    expected, actual = Path(expected), Path(actual)
-    names = {p.name for p in expected.iterdir()} | {p.name for p in actual.iterdir()}
-    differ = []
-    for n in sorted(names):
-        if not (expected / n).is_file() or not (actual / n).is_file():
-            differ.append(n)
-            continue
-        a = _without((expected / n).read_text(encoding="utf-8"), paths)
-        b = _without((actual / n).read_text(encoding="utf-8"), paths)
-        if a != b:
-            differ.append(n)
-    return differ
 
 
 def hunk_headers(patch_file):

@@ -133,6 +133,14 @@ def _local_states(optimizer):
         optimizer.state_dict_cpu_offload = offload
 
 
+def _equal_on_all_ranks(saved, loaded):
+    """Whether every rank's states (of _local_states) are bitwise equal."""
+    differ = saved.keys() != loaded.keys() or any(
+        not torch.equal(v, loaded[k]) for k, v in saved.items()
+    )
+    return _max_over_ranks(differ) == 0
+
+
 def _resume(model, optimizer, path, row):
     with _measure(row, "resume"):
         state = {
@@ -254,14 +262,7 @@ def _resume_new(args, base, mode, path, saved):
     _train(model, optimizer, width, 1)
     row = dict(base, mode=mode, step="resume")
     _resume(model, optimizer, path, row)
-    loaded = _local_states(optimizer)
-    row["bitwise_equal"] = bool(
-        _max_over_ranks(
-            saved.keys() != loaded.keys()
-            or any(not torch.equal(v, loaded[k]) for k, v in saved.items())
-        )
-        == 0
-    )
+    row["bitwise_equal"] = _equal_on_all_ranks(saved, _local_states(optimizer))
     _emit(args, row)
 
 
@@ -301,10 +302,7 @@ def oom_demo(args, base):
             optimizer.state_dict_cpu_offload = load_offload
             try:
                 _resume(model, optimizer, path, {})
-                loaded = _local_states(optimizer)
-                same = saved.keys() == loaded.keys() and all(
-                    torch.equal(v, loaded[k]) for k, v in saved.items()
-                )
+                same = _equal_on_all_ranks(saved, _local_states(optimizer))
                 row["resume_" + ("offload" if load_offload else "default")] = (
                     "ok, bitwise equal" if same else "ok, NOT equal"
                 )
