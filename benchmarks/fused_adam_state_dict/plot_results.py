@@ -49,11 +49,16 @@ def _footer(fig, source, env):
     )
 
 
+def _moments(row):
+    return row.get("moments", "bf16")
+
+
 def _env(rows):
     r = rows[0]
+    moments = sorted({_moments(r).upper() for r in rows})
     return (
         f"{r['gpu']}, TE {r['te']}, torch {r['torch']}, {r['cpus']} CPUs,"
-        f" {r.get('moments', 'bf16').upper()} moments + FP32 master"
+        f" {'/'.join(moments)} moments + FP32 master"
     )
 
 
@@ -87,20 +92,20 @@ def plot_peak(rows, source, out, vary):
     plt.close(fig)
 
 
+def _case(row):
+    return (_moments(row), row["torch_threads"], row["total_numel_log2"], row["largest_numel_log2"])
+
+
 def _cases(rows):
-    """The (threads, total, largest) cases of a run: most threads first, then by size."""
-    return sorted(
-        {(r["torch_threads"], r["total_numel_log2"], r["largest_numel_log2"]) for r in rows},
-        key=lambda c: (-c[0], c[1], c[2]),
-    )
+    """The (moments, threads, total, largest) cases of a run: by moments, most threads first,
+    then by size."""
+    return sorted({_case(r) for r in rows}, key=lambda c: (c[0], -c[1], c[2], c[3]))
 
 
 def _row(rows, case, mode):
     """The row of `mode` for `case`, or None."""
     for r in rows:
-        if (r["torch_threads"], r["total_numel_log2"], r["largest_numel_log2"]) == case and (
-            r["mode"] == mode
-        ):
+        if _case(r) == case and r["mode"] == mode:
             return r
     return None
 
@@ -108,7 +113,14 @@ def _row(rows, case, mode):
 def _save_bars(fig, ax, cases, labels, source, rows, out, name):
     """Label the cases on the x axis, the axes with `labels` (y, title), and save `name`."""
     ax.set_xticks(range(len(cases)))
-    ax.set_xticklabels([f"{t} thr\nN=2^{n}\nmax=2^{m}" for t, n, m in cases], fontsize=7)
+    moments = len({c[0] for c in cases}) > 1
+    ax.set_xticklabels(
+        [
+            (f"{d.upper()}\n" if moments else "") + f"{t} thr\nN=2^{n}\nmax=2^{m}"
+            for d, t, n, m in cases
+        ],
+        fontsize=7,
+    )
     ax.set_ylabel(labels[0])
     ax.set_title(labels[1])
     ax.grid(True, axis="y", alpha=0.3)
@@ -120,14 +132,24 @@ def _save_bars(fig, ax, cases, labels, source, rows, out, name):
 
 
 def plot_throughput(rows, source, out):
-    """Export GB/s per mode and size, for each thread setting."""
+    """Export GB/s per mode and case; offload bars are labelled with their ratio to today's."""
     fig, ax = plt.subplots(figsize=(8, 4.5))
     cases = _cases(rows)
-    width = 0.27
-    for i, mode in enumerate(LABELS):
+    modes = [mode for mode in LABELS if any(r["mode"] == mode for r in rows)]
+    width = 0.8 / len(modes)
+    for i, mode in enumerate(modes):
         hits = [_row(rows, case, mode) for case in cases]
+        xs = [j + (i - (len(modes) - 1) / 2) * width for j in range(len(cases))]
         vals = [hit["gb_per_s"] if hit else 0 for hit in hits]
-        ax.bar([j + (i - 1) * width for j in range(len(cases))], vals, width, label=LABELS[mode])
+        ax.bar(xs, vals, width, label=LABELS[mode])
+        for x, hit, case in zip(xs, hits, cases):
+            today = _row(rows, case, "default_then_cpu")
+            if mode == "offload" and hit and today:
+                ratio = hit["gb_per_s"] / today["gb_per_s"]
+                ax.text(x, hit["gb_per_s"], f"{ratio:.1f}x", ha="center", va="bottom", fontsize=7)
+    ax.set_ylim(
+        0, 1.3 * max(r["gb_per_s"] for r in rows if r["mode"] in modes)
+    )  # room for the legend
     labels = (
         "export throughput, GB/s of CPU output",
         "FusedAdam state_dict export to CPU (higher is better)",

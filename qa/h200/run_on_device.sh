@@ -6,7 +6,7 @@
 # Run the GPU tier on a bare GPU machine that has torch but no TransformerEngine: install real
 # TE from a kit (see CONTRIBUTING.md), patch it with the series, run the chosen stages.
 #   usage: TE_PATH=te-main qa/h200/run_on_device.sh KIT_DIR LOG_DIR STAGE...
-#   stages: single  dist  bench  bench_omp1  nightly  dcp  dcp_oom
+#   stages: single  dist  bench  bench_omp1  export  nightly  dcp  dcp_oom
 # The test files are TE's, as the series changes them, from TE_PATH (default te-main, the
 # patched upstream main tree of 'python -m build_tools materialize --source ...'; carry its
 # tests/pytorch to the machine). SINGLE_ARGS / DIST_ARGS add pytest arguments (e.g. -k),
@@ -65,6 +65,14 @@ for stage in "$@"; do
         --nproc_per_node=$NGPUS $DCP_BENCH --out "$LOG/dcp.jsonl" ${DCP_ARGS:-} ;;
     dcp_oom) run dcp_oom timeout ${DCP_TIMEOUT:-900} python3 -m torch.distributed.run --standalone \
         --nproc_per_node=$NGPUS $DCP_BENCH --oom-demo --out "$LOG/dcp_oom.jsonl" ${DCP_ARGS:-} ;;
+    export) for m in bf16 fp16 fp8; do  # issue 14's grid: N = 2^30 in 2^24-element params
+            for omp in "" 1; do
+                run "export_$m${omp:+_omp$omp}" env ${omp:+OMP_NUM_THREADS=$omp} timeout 300 \
+                    python3 $BENCH --moments $m --total-log2 30 --largest-log2 24 \
+                    --modes default_then_cpu offload load_offload --csv "$LOG/export.csv"
+            done
+        done
+        grep -h '^{' "$LOG"/export_*.log >"$LOG/export.jsonl" ;;
     nightly) run nightly env XML_LOG_DIR="$LOG" TE_PATH="$TE_PATH" bash qa/L1_pytorch_fused_adam_state_dict_offload/test.sh ;;
     *) echo "unknown stage $stage"; status=1 ;;
     esac
