@@ -409,6 +409,32 @@ def test_offload_under_torchrun_thread_settings():
         torch.set_num_threads(threads)
 
 
+@pytest.mark.parametrize(
+    "cpus, node_cpus, threads, local_world_size, workers",
+    [
+        (16, 16, 16, None, 4),  # torch's default threads
+        (16, 16, 1, None, 16),  # OMP_NUM_THREADS=1
+        (64, 64, 1, None, 16),  # at most 16
+        (2, 2, 2, None, 1),
+        (128, 128, 1, "8", 16),  # 8 ranks that share the node's CPUs
+        (32, 32, 1, "8", 4),
+        (16, 128, 1, "8", 16),  # 8 ranks, each bound to CPUs of its own
+        (16, 16, 1, "many", 16),  # not a number: one process
+    ],
+)
+def test_offload_worker_count(monkeypatch, cpus, node_cpus, threads, local_world_size, workers):
+    """The CPU threads of an export: the CPUs of this process (shared with the other ranks of
+    the node unless it is bound to its own) over its intra-op threads, up to 4, at most 16."""
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(cpus)), raising=False)
+    monkeypatch.setattr(os, "cpu_count", lambda: node_cpus)
+    monkeypatch.setattr(torch, "get_num_threads", lambda: threads)
+    if local_world_size is None:
+        monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
+    else:
+        monkeypatch.setenv("LOCAL_WORLD_SIZE", local_world_size)
+    assert fused_adam._state_dict_offload_workers() == workers
+
+
 # Loading with state_dict_cpu_offload=True: bounded GPU memory, the values of the default path.
 
 
@@ -694,7 +720,8 @@ def _memory_snapshot():
 
 
 # name: (object, attribute, failing call, error). The export of 16 parameters of 2^21 elements
-# (BF16 moments, FP32 master weights) has 48 states, 256 MiB in 64 pieces of 4 MiB.
+# (BF16 moments, FP32 master weights) has 48 states, 256 MiB in 64 pieces of 4 MiB (the size
+# of the export's pinned buffers in these tests).
 EXPORT_FAULTS = {
     "output_allocation": (torch, "empty_like", 20, MemoryError("injected: CPU allocation")),
     "pinned_allocation": (torch, "empty", 3, RuntimeError("injected: pinned allocation")),
@@ -719,6 +746,7 @@ LOAD_FAULTS = {
 def test_failed_export_leaves_nothing_behind(fault, monkeypatch):
     """An exception in the middle of an offloaded state_dict() propagates, stops the threads,
     releases the pinned buffers and GPU memory, and leaves the live state as it was."""
+    monkeypatch.setattr(fused_adam, "_STATE_DICT_OFFLOAD_CHUNK_BYTES", 4 * 1024**2)
     _, opt = _big_optimizer(2**25, 2**21, "bf16", offload=True)
     reference = _default_state_dict(opt)
     live = _raw_state(opt)
