@@ -32,6 +32,7 @@ from .target import (
     apply,
     apply_all,
     file_report,
+    other_version,
     find_target,
     revert,
     status,
@@ -224,9 +225,15 @@ def cmd_status(args):
 
 
 def cmd_check(args):
-    """Exit 0 if the series is applied or apply would apply it (or complete it), 1 if the
-    target drifted."""
-    return 1 if _print_status(_target(args)) == DRIFTED else 0
+    """Exit 0 if the series is applied or apply would apply it (or complete it, or replace
+    another version of it), 1 if the target drifted."""
+    target = _target(args)
+    if _print_status(target) != DRIFTED:
+        return 0
+    if other_version(target):
+        print("  another version of this series is applied; apply replaces it")
+        return 0
+    return 1
 
 
 def cmd_apply(args):

@@ -282,6 +282,7 @@ def _all_apply(results):
 def file_report(target):
     """[(path, pristine|patched|other)] for the upstream files the series changes."""
     report = []
+    saved = _Backup(target).states() or {}
     for rel, (before, after) in sorted(load_checksums().items()):
         path = target.root / rel
         if not path.is_file():
@@ -292,6 +293,8 @@ def file_report(target):
             report.append((rel, f"pristine {load_pin()['version']}"))
         elif digest == after:
             report.append((rel, "patched by this series"))
+        elif saved.get(rel) == "patched":
+            report.append((rel, "patched by another version of this series; apply replaces it"))
         else:
             report.append((rel, "differs from both"))
     return report
@@ -414,12 +417,12 @@ def apply(target):
     backup = _Backup(target)
     saved = backup.states()
     if saved and "other" not in saved.values():
+        results, contents, other = _against_saved(target, relevant, backup, saved)
+        if other:
+            return _replace_other_version(target, results)
         todo = [rel for rel, state in saved.items() if state == "original"]
         if not todo:
             return "already applied; nothing to do"
-        originals = {rel: backup.original(rel) for rel in saved}
-        contents = {}
-        simulate(target, relevant, originals=originals, contents=contents)
         modes = {rel: backup.state[rel]["mode"] for rel in todo}
         _write_files(target, {rel: contents[rel] for rel in todo}, modes, "apply")
         return f"completed an interrupted apply ({len(todo)} file(s) written)"
@@ -459,6 +462,47 @@ def apply(target):
     if applied:
         done += f" (the first {applied} were applied already)"
     return done + _version_note(target)
+
+
+def _against_saved(target, relevant, backup, saved):
+    """This version of the series applied to the saved originals: (git apply's results, the
+    files after it, whether the target carries another version of the series)."""
+    originals = {rel: backup.original(rel) for rel in saved}
+    contents = {}
+    results = simulate(target, relevant, originals=originals, contents=contents)
+    other = set(contents) != set(saved) or any(
+        backup.state[rel]["patched"] != _sha256(data) for rel, data in contents.items()
+    )
+    return results, contents, other
+
+
+def other_version(target):
+    """Whether the target carries another version of the series (with its saved originals)
+    that apply would replace with this one."""
+    if target.kind == "checkout":
+        return False
+    backup = _Backup(target)
+    saved = backup.states()
+    if not saved or "other" in saved.values():
+        return False
+    relevant = [p for p in patch_files() if _touched(p, target)]
+    results, _, other = _against_saved(target, relevant, backup, saved)
+    return other and _all_apply(results)
+
+
+def _replace_other_version(target, results):
+    """The target carries another version of the series (applied by another release of this
+    tool, whose saved originals are there): put the originals back and apply this version,
+    if it applies to them; else change nothing."""
+    if not _all_apply(results):
+        patch, result = results[-1]
+        raise ToolError(
+            f"{target.subtree}/ carries another version of this series, and this version does "
+            f"not apply to the original files saved with it ({patch.name}: "
+            f"{_failure(result, patch)}); nothing was changed. 'revert' restores the originals."
+        )
+    undone = revert(target)
+    return f"replaced another version of the series ({undone}): {apply(target)}"
 
 
 def _applied_count(rows, patches):

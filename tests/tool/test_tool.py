@@ -114,6 +114,70 @@ def test_apply_is_idempotent_and_revert_restores_pristine_bytes(tree, pristine):
     assert target.revert(t) == "not applied; nothing to do"
 
 
+def _as_other_version(tree, old, new):
+    """Make an applied tree look patched by another version of the series: other patched
+    bytes (`old` replaced by `new`), recorded as such in the saved state."""
+    path = tree / FUSED_ADAM
+    data = path.read_bytes()
+    assert old in data
+    path.write_bytes(data.replace(old, new))
+    state_file = tree / "transformer_engine" / target.BACKUP_DIR / target.STATE_FILE
+    state = json.loads(state_file.read_text(encoding="utf-8"))
+    state["files"][FUSED_ADAM]["patched"] = target.sha256_of(path)
+    state_file.write_text(json.dumps(state), encoding="utf-8")
+
+
+def test_apply_replaces_another_version_of_the_series(tree, pristine):
+    """A TE patched by another version of the series (an earlier release of the tool, whose
+    saved originals are there) gets this version from apply; revert then restores it."""
+    t = target.find_target(tree)
+    target.apply(t)
+    _as_other_version(
+        tree, b"_STATE_DICT_OFFLOAD_MAX_WORKERS = 16", b"_STATE_DICT_OFFLOAD_MAX_WORKERS = 8"
+    )
+    report = dict(target.file_report(t))
+    assert report[FUSED_ADAM] == "patched by another version of this series; apply replaces it"
+    assert target.other_version(t)
+    assert cli.main(["check", str(tree)]) == 0
+
+    message = target.apply(t)
+    assert message.startswith("replaced another version of the series (reverted")
+    assert "applied 3 patch(es)" in message
+    assert target.status(t)[1] == target.APPLIED
+    assert target.file_report(t) == [(FUSED_ADAM, "patched by this series")]
+    assert target.apply(t) == "already applied; nothing to do"
+    target.revert(t)
+    assert _same_tree(tree / "transformer_engine", pristine / "transformer_engine")
+
+
+def test_other_version_on_other_originals_is_left_unchanged(tree):
+    """If this version does not apply to the originals saved by another version (another TE
+    release), apply raises and changes nothing; revert still restores those originals."""
+    t = target.find_target(tree)
+    target.apply(t)
+    _as_other_version(
+        tree, b"_STATE_DICT_OFFLOAD_MAX_WORKERS = 16", b"_STATE_DICT_OFFLOAD_MAX_WORKERS = 8"
+    )
+    backup = tree / "transformer_engine" / target.BACKUP_DIR
+    original = backup / "original" / FUSED_ADAM
+    drifted = original.read_bytes().replace(
+        b"from itertools import chain", b"from itertools import chain  # x"
+    )
+    original.write_bytes(drifted)
+    state = json.loads((backup / target.STATE_FILE).read_text(encoding="utf-8"))
+    state["files"][FUSED_ADAM]["original"] = target.sha256_of(original)
+    (backup / target.STATE_FILE).write_text(json.dumps(state), encoding="utf-8")
+    before = {p: p.read_bytes() for p in sorted(tree.rglob("*")) if p.is_file()}
+
+    assert not target.other_version(t)
+    assert cli.main(["check", str(tree)]) == 1
+    with pytest.raises(ToolError, match="another version of this series.*nothing was changed"):
+        target.apply(t)
+    assert {p: p.read_bytes() for p in sorted(tree.rglob("*")) if p.is_file()} == before
+    assert "restored the saved original bytes" in target.revert(t)
+    assert (tree / FUSED_ADAM).read_bytes() == drifted
+
+
 def _module_imports(path):
     """The modules that a Python file imports at module scope."""
     names = set()
