@@ -32,8 +32,8 @@ from .target import (
     apply,
     apply_all,
     file_report,
-    other_version,
     find_target,
+    other_version,
     revert,
     status,
 )

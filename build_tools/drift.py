@@ -7,8 +7,7 @@ import tempfile
 from pathlib import Path
 
 from .errors import ToolError
-from .series import patch_files
-from .target import NOT_CHECKED, Target, _failure, _touched, has_offset, simulate
+from .target import NOT_CHECKED, Target, _failure, has_offset, relevant_patches, simulate
 from .upstream import cache_dir, download_wheel, load_pin, sha256_of, unpack_subtree
 
 CLEAN, OFFSET, CONFLICT = "applies cleanly", "applies with offset", "conflicts"
@@ -44,7 +43,7 @@ def check_tree(root):
     """[(patch, result, detail)] for the series against a tree holding transformer_engine/,
     applied in order to a scratch copy."""
     target = Target(root, "tree")
-    relevant = [p for p in patch_files() if _touched(p, target)]
+    relevant = relevant_patches(target)
     rows = {p.name: (NOT_CHECKED, "an earlier patch conflicts") for p in relevant}
     for patch, result in simulate(target, relevant):
         if result.returncode != 0:

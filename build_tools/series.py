@@ -231,12 +231,13 @@ def generate(source_root, out_dir, wheel=None, main=None):
     base_line = (
         f"Based on {pin['package']} {pin['version']} ({pin['artifact']}, sha256 {pin['sha256']})."
     )
-    main = pin.get("main")
-    if main:
+    main_pin = pin.get("main")
+    if main_pin:
         base_line = (
-            f"Made against {main['branch']} of {main['repository']} at {main['commit']}\n"
-            f"({main['date']}, {main['version']}). Its changes to {pin['subtree']}/ are "
-            f"generated from\n{pin['package']} {pin['version']} ({pin['artifact']},\n"
+            f"Made against {main_pin['branch']} of {main_pin['repository']} at "
+            f"{main_pin['commit']}\n({main_pin['date']}, {main_pin['version']}). "
+            f"Its changes to {pin['subtree']}/ are generated from\n"
+            f"{pin['package']} {pin['version']} ({pin['artifact']},\n"
             f"sha256 {pin['sha256']}),\nto which they apply as well."
         )
     text = text.replace(PLACEHOLDER_BLURB, series["cover"]["body"].strip() + "\n\n" + base_line, 1)

@@ -192,6 +192,11 @@ def has_offset(result):
     return re.search(r"offset -?\d+ lines?", result.stderr + result.stdout) is not None
 
 
+def relevant_patches(target, patches=None):
+    """The patches of the series (or of `patches`) that change files this target holds."""
+    return [p for p in (patch_files() if patches is None else patches) if _touched(p, target)]
+
+
 def simulate(target, patches, *reverse, originals=None, contents=None):
     """git apply (or, with "-R", reverse) `patches` in turn to a scratch copy of the files they
     change, stopping at the first that fails; [(patch, git apply's result)]. Later patches of
@@ -225,7 +230,7 @@ def simulate(target, patches, *reverse, originals=None, contents=None):
 def status(target):
     """[(patch name, state, detail)] and the overall state."""
     patches = patch_files()
-    relevant = [p for p in patches if _touched(p, target)]
+    relevant = relevant_patches(target, patches)
     if not relevant:
         raise ToolError(f"no patch of the series changes anything in {target}")
     rows = {p.name: (NOT_FOR_TARGET, "tests and docs go to source checkouts only") for p in patches}
@@ -413,7 +418,7 @@ def apply(target):
     if target.kind == "checkout":
         return _apply_checkout(target)
     _remove_stale_files(target)
-    relevant = [p for p in patch_files() if _touched(p, target)]
+    relevant = relevant_patches(target)
     backup = _Backup(target)
     saved = backup.states()
     if saved and "other" not in saved.values():
@@ -485,7 +490,7 @@ def other_version(target):
     saved = backup.states()
     if not saved or "other" in saved.values():
         return False
-    relevant = [p for p in patch_files() if _touched(p, target)]
+    relevant = relevant_patches(target)
     results, _, other = _against_saved(target, relevant, backup, saved)
     return other and _all_apply(results)
 
@@ -548,7 +553,7 @@ def revert(target):
     if target.kind == "checkout":
         return _revert_checkout(target, patches)
     _remove_stale_files(target)
-    relevant = [p for p in patches if _touched(p, target)]
+    relevant = relevant_patches(target, patches)
     backup = _Backup(target)
     saved = backup.states()
     if saved and "other" not in saved.values():

@@ -114,6 +114,15 @@ def test_apply_is_idempotent_and_revert_restores_pristine_bytes(tree, pristine):
     assert target.revert(t) == "not applied; nothing to do"
 
 
+def _record_saved(tree, key, path):
+    """Set the saved state's digest `key` ("original" or "patched") of fused_adam.py to that
+    of the file at `path`."""
+    state_file = tree / "transformer_engine" / target.BACKUP_DIR / target.STATE_FILE
+    state = json.loads(state_file.read_text(encoding="utf-8"))
+    state["files"][FUSED_ADAM][key] = target.sha256_of(path)
+    state_file.write_text(json.dumps(state), encoding="utf-8")
+
+
 def _as_other_version(tree, old, new):
     """Make an applied tree look patched by another version of the series: other patched
     bytes (`old` replaced by `new`), recorded as such in the saved state."""
@@ -121,10 +130,7 @@ def _as_other_version(tree, old, new):
     data = path.read_bytes()
     assert old in data
     path.write_bytes(data.replace(old, new))
-    state_file = tree / "transformer_engine" / target.BACKUP_DIR / target.STATE_FILE
-    state = json.loads(state_file.read_text(encoding="utf-8"))
-    state["files"][FUSED_ADAM]["patched"] = target.sha256_of(path)
-    state_file.write_text(json.dumps(state), encoding="utf-8")
+    _record_saved(tree, "patched", path)
 
 
 def test_apply_replaces_another_version_of_the_series(tree, pristine):
@@ -164,9 +170,7 @@ def test_other_version_on_other_originals_is_left_unchanged(tree):
         b"from itertools import chain", b"from itertools import chain  # x"
     )
     original.write_bytes(drifted)
-    state = json.loads((backup / target.STATE_FILE).read_text(encoding="utf-8"))
-    state["files"][FUSED_ADAM]["original"] = target.sha256_of(original)
-    (backup / target.STATE_FILE).write_text(json.dumps(state), encoding="utf-8")
+    _record_saved(tree, "original", original)
     before = {p: p.read_bytes() for p in sorted(tree.rglob("*")) if p.is_file()}
 
     assert not target.other_version(t)
