@@ -379,20 +379,24 @@ def _host_pinned_bytes():
     return None
 
 
+def _memory_snapshot():
+    """(GPU bytes allocated, pinned host bytes allocated), after collecting garbage."""
+    gc.collect()
+    torch.cuda.synchronize()
+    return torch.cuda.memory_allocated(), _host_pinned_bytes()
+
+
 def test_repeated_exports_do_not_grow_memory():
     """20 exports in a row leave GPU and pinned host memory where the first one left them."""
     _, opt = _big_optimizer(2**24, 2**22, "bf16", offload=True)
     opt.state_dict()
-    gc.collect()
-    torch.cuda.synchronize()
-    gpu_before, pinned_before = torch.cuda.memory_allocated(), _host_pinned_bytes()
+    gpu_before, pinned_before = _memory_snapshot()
     for _ in range(20):
         sd = opt.state_dict()
         del sd
-    gc.collect()
-    torch.cuda.synchronize()
-    assert torch.cuda.memory_allocated() == gpu_before
-    assert _host_pinned_bytes() == pinned_before
+    gpu_after, pinned_after = _memory_snapshot()
+    assert gpu_after == gpu_before
+    assert pinned_after == pinned_before
 
 
 @pytest.mark.skipif(os.cpu_count() < 2, reason="needs several CPUs")
@@ -711,12 +715,6 @@ def _fail_on_call(monkeypatch, owner, name, call, error):
 
 def _staging_threads():
     return [t for t in threading.enumerate() if t.name.startswith("FusedAdamStateDict")]
-
-
-def _memory_snapshot():
-    gc.collect()
-    torch.cuda.synchronize()
-    return torch.cuda.memory_allocated(), _host_pinned_bytes()
 
 
 # name: (object, attribute, failing call, error). The export of 16 parameters of 2^21 elements
