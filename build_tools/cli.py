@@ -13,9 +13,11 @@ from .drift import CONFLICT, drift
 from .errors import ToolError
 from .mainline import MAIN_DIR, check_main, main_source, main_tree
 from .paths import repo_root
+from .review import lint, signed_off
 from .series import (
     STAGES_DIR,
     compare_dirs,
+    git,
     entry_paths,
     generate,
     load_series,
@@ -66,7 +68,7 @@ def materialize(dest, wheel=None, source=None):
     shutil.copytree(pristine_tree(wheel) / pin["subtree"], tree)
     try:
         message = f"applied {apply_all(Target(dest, 'tree'), patch_files())} patch(es)"
-        _write_stages(dest, wheel)
+        _write_stages(dest, wheel, main_root)
     except ToolError:
         shutil.rmtree(tree)
         shutil.rmtree(stages, ignore_errors=True)
@@ -98,21 +100,36 @@ def _materialize_main(main_root, dest):
     )
 
 
-def _write_stages(dest, wheel=None):
-    """Write .stages/NNNN/<path>: each file that a later patch changes again, after patch NNNN."""
+def _write_stages(dest, wheel=None, main_root=None):
+    """Write .stages/NNNN/<path>: each file that a later patch changes again, after patch NNNN
+    (upstream main files only with the pinned main tree, `main_root`)."""
     staged = staged_paths()
     if not staged:
         return
     subtree = load_pin()["subtree"]
+    changed_main = main_paths()
+    held = [f"{subtree}/*"] + [
+        rel
+        for entry in load_series()["patch"]
+        for rel in entry_paths(entry)
+        if not rel.startswith(subtree + "/") and (main_root is not None or rel not in changed_main)
+    ]
     with tempfile.TemporaryDirectory() as tmp:
         shutil.copytree(pristine_tree(wheel) / subtree, Path(tmp) / subtree)
-        work = Target(tmp, "tree")
+        for rel in changed_main if main_root is not None else ():
+            (Path(tmp) / rel).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copyfile(Path(main_root) / rel, Path(tmp) / rel)
         for index, patch in enumerate(patch_files()):
-            apply_all(work, [patch])
+            git(
+                ["apply", *(f"--include={rel}" for rel in held), str(patch)],
+                tmp,
+                {"GIT_CEILING_DIRECTORIES": str(Path(tmp).parent)},
+            )
             for rel in staged.get(index, ()):
-                out = Path(dest) / stage_dir(index) / rel
-                out.parent.mkdir(parents=True, exist_ok=True)
-                shutil.copyfile(Path(tmp) / rel, out)
+                if (Path(tmp) / rel).is_file():
+                    out = Path(dest) / stage_dir(index) / rel
+                    out.parent.mkdir(parents=True, exist_ok=True)
+                    shutil.copyfile(Path(tmp) / rel, out)
 
 
 def cmd_materialize(args):
@@ -143,6 +160,8 @@ def _series_sources(tree_root, overlay, with_main=True):
                 shutil.copyfile(src, dst)
     for index, paths in staged_paths().items():
         for rel in paths:
+            if rel in changed_main and not with_main:
+                continue
             src = Path(tree_root) / stage_dir(index) / rel
             if not src.is_file():
                 raise ToolError(
@@ -195,10 +214,9 @@ def cmd_refresh(args):
                     "commit messages and every other diff were"
                 )
             return
-        for old in patches_dir().iterdir():
-            old.unlink()
-        for new in out.iterdir():
-            shutil.copyfile(new, patches_dir() / new.name)
+        dest = patches_dir()
+        shutil.rmtree(dest)
+        shutil.copytree(out, dest)
     print("patches/ refreshed" + (": " + ", ".join(changed) if changed else " (no change)"))
 
 
@@ -274,6 +292,26 @@ def cmd_check_main(args):
     print(check_main(source))
 
 
+def cmd_lint(args):
+    """Run TE's lint job (pylint 3.3.1 with TE's pylintrc, black 24.4.2, vermin) on the pinned
+    main tree with each prefix of the stack of pull requests; exit 1 if it fails."""
+    main_root = main_tree(args.source)
+    if main_root is None:
+        raise ToolError(
+            "TE's lint job runs on the pinned main tree: pass --source or set TE_SOURCE to a "
+            "TransformerEngine git clone holding the pinned main commit"
+        )
+    ok, report = lint(main_root)
+    print(report)
+    return 0 if ok else 1
+
+
+def cmd_pr(args):
+    """Write the stack of pull requests signed off by you (your git identity, or --identity),
+    ready for git am / git send-email; the committed patches carry a placeholder."""
+    print(signed_off(args.out, args.identity))
+
+
 def cmd_fetch(args):
     """Download and verify the pinned release; print its path."""
     print(fetch_pinned(args.wheel))
@@ -333,6 +371,12 @@ def build_parser():
         )
     p = add("check-main", cmd_check_main, cmd_check_main.__doc__)
     p.add_argument("source", nargs="?", help="a TransformerEngine git clone (default: $TE_SOURCE)")
+    p = add("lint", cmd_lint, cmd_lint.__doc__)
+    p.add_argument("--source", help=source_help)
+    p = add("pr", cmd_pr, cmd_pr.__doc__)
+    p.add_argument("--signoff", action="store_true", required=True, help="sign off as yourself")
+    p.add_argument("--out", required=True, help="a new directory for the signed-off stack")
+    p.add_argument("--identity", help="'Name <email>' instead of your git identity")
     p = add("drift", cmd_drift, cmd_drift.__doc__)
     p.add_argument(
         "versions",

@@ -7,6 +7,7 @@ import tempfile
 from pathlib import Path
 
 from .errors import ToolError
+from .series import patch_label
 from .target import NOT_CHECKED, Target, _failure, has_offset, relevant_patches, simulate
 from .upstream import cache_dir, download_wheel, load_pin, sha256_of, unpack_subtree
 
@@ -44,18 +45,18 @@ def check_tree(root):
     applied in order to a scratch copy."""
     target = Target(root, "tree")
     relevant = relevant_patches(target)
-    rows = {p.name: (NOT_CHECKED, "an earlier patch conflicts") for p in relevant}
+    rows = {patch_label(p): (NOT_CHECKED, "an earlier patch conflicts") for p in relevant}
     for patch, result in simulate(target, relevant):
         if result.returncode != 0:
-            rows[patch.name] = (CONFLICT, _failure(result, patch))
+            rows[patch_label(patch)] = (CONFLICT, _failure(result, patch))
         elif has_offset(result):
             offsets = re.findall(
                 r"Hunk #\d+ succeeded at \d+ \(offset -?\d+ lines?\)", result.stderr
             )
-            rows[patch.name] = (OFFSET, "; ".join(offsets))
+            rows[patch_label(patch)] = (OFFSET, "; ".join(offsets))
         else:
-            rows[patch.name] = (CLEAN, "")
-    return [(p.name, *rows[p.name]) for p in relevant]
+            rows[patch_label(patch)] = (CLEAN, "")
+    return [(patch_label(p), *rows[patch_label(p)]) for p in relevant]
 
 
 def drift(versions=None):

@@ -25,13 +25,38 @@ PLACEHOLDER_SUBJECT = "*** SUBJECT HERE ***"
 PLACEHOLDER_BLURB = "*** BLURB HERE ***"
 
 
+# The identity that the committed series carries, to be replaced by the submitter's own
+# (`pr --signoff`): a sign-off certifies the Developer Certificate of Origin for a person.
+PLACEHOLDER_IDENTITY = ("Your Name", "you@example.com")
+
+
 def load_series():
-    """series.toml as a dict: author, cover, patch (list)."""
+    """series.toml as a dict: author, pr (list: the stack of pull requests, each with its
+    name, subject and body), patch (list, each naming its pull request by number)."""
     with open(data_file("series.toml"), "rb") as f:
         series = tomllib.load(f)
-    if not series.get("patch"):
-        raise ToolError("series.toml lists no [[patch]]")
+    if not series.get("patch") or not series.get("pr"):
+        raise ToolError("series.toml lists no [[pr]] or no [[patch]]")
+    numbers = [entry.get("pr") for entry in series["patch"]]
+    if numbers != sorted(numbers) or set(numbers) != set(range(1, len(series["pr"]) + 1)):
+        raise ToolError(
+            "series.toml: each [[patch]] names its pull request (pr = 1, 2, ...), in order, "
+            "and each [[pr]] has patches"
+        )
     return series
+
+
+def pr_dir_name(number, pr):
+    """The directory of pull request `number` (1-based) under patches/: '1-export'."""
+    return f"{number}-{pr['name']}"
+
+
+def patch_label(patch):
+    """How a patch is named in reports: its pull request's directory and its file name."""
+    patch = Path(patch)
+    return (
+        f"{patch.parent.name}/{patch.name}" if re.match(r"\d+-", patch.parent.name) else patch.name
+    )
 
 
 def stage_dir(index):
@@ -54,15 +79,10 @@ def main_paths(series=None):
 def staged_paths(series=None):
     """{patch index: [paths]}: the files that a later patch of the series changes again."""
     entries = (series or load_series())["patch"]
-    subtree = load_pin()["subtree"]
     staged = {}
     for i, entry in enumerate(entries):
         for rel in entry_paths(entry):
             if any(rel in entry_paths(later) for later in entries[i + 1 :]):
-                if not rel.startswith(subtree + "/"):
-                    raise ToolError(
-                        f"{rel} is named by several patches; only files under {subtree}/ may be"
-                    )
                 staged.setdefault(i, []).append(rel)
     return staged
 
@@ -73,7 +93,8 @@ def patches_dir():
 
 
 def patch_files(directory=None):
-    """The patches of the series, in order, as listed by patches/series (no cover letter)."""
+    """The patches of the series, in order, as listed by patches/series (no cover letters):
+    those of the first pull request, then those of the second, ..."""
     directory = Path(directory) if directory is not None else patches_dir()
     series_file = directory / "series"
     if not series_file.is_file():
@@ -130,6 +151,14 @@ def identity_env(author):
     }
 
 
+def pr_patch_files(directory=None):
+    """[(pull request directory, [its patches])] of the series, in order."""
+    groups = {}
+    for patch in patch_files(directory):
+        groups.setdefault(patch.parent, []).append(patch)
+    return list(groups.items())
+
+
 def _message(entry, author):
     body = entry.get("body", "").strip()
     sign_off = f"Signed-off-by: {author['name']} <{author['email']}>"
@@ -175,13 +204,16 @@ def generate(source_root, out_dir, wheel=None, main=None):
             repo,
             env,
         )
-        base = git(["rev-parse", "HEAD"], repo, env).stdout.strip()
+        bases = {1: git(["rev-parse", "HEAD"], repo, env).stdout.strip()}
         for index, entry in enumerate(series["patch"]):
+            if entry["pr"] not in bases:
+                bases[entry["pr"]] = git(["rev-parse", "HEAD"], repo, env).stdout.strip()
             for rel in entry_paths(entry):
                 if main is None and rel in changed_main:
                     # A stand-in, so that the patch and its message are made as with main.
                     (repo / rel).parent.mkdir(parents=True, exist_ok=True)
-                    (repo / rel).write_text("not regenerated: no upstream main tree\n")
+                    stand_in = f"not regenerated: no upstream main tree (patch {index + 1})\n"
+                    (repo / rel).write_text(stand_in)
                     git(["add", rel], repo, env)
                     continue
                 if (
@@ -203,50 +235,65 @@ def generate(source_root, out_dir, wheel=None, main=None):
             if not git(["diff", "--cached", "--quiet"], repo, env, check=False).returncode:
                 raise ToolError(f"'{entry['subject']}' changes nothing")
             git(["commit", "-q", "-F", "-"], repo, env, input_text=_message(entry, author))
+        bases[len(series["pr"]) + 1] = git(["rev-parse", "HEAD"], repo, env).stdout.strip()
         out_dir = Path(out_dir)
-        out_dir.mkdir(parents=True, exist_ok=True)
-        git(
-            [
-                "-c",
-                "core.abbrev=12",
-                "-c",
-                "diff.noprefix=false",
-                "format-patch",
-                "-q",
-                "--cover-letter",
-                "--no-signature",
-                "--zero-commit",
-                "--no-binary",
-                "--stat=80",
-                "-o",
-                str(out_dir),
-                f"{base}..HEAD",
-            ],
-            repo,
-            env,
-        )
-    cover = next(out_dir.glob("0000-cover-letter.patch"))
-    text = cover.read_text(encoding="utf-8")
-    text = text.replace(PLACEHOLDER_SUBJECT, series["cover"]["subject"], 1)
-    base_line = (
-        f"Based on {pin['package']} {pin['version']} ({pin['artifact']}, sha256 {pin['sha256']})."
-    )
-    main_pin = pin.get("main")
-    if main_pin:
-        base_line = (
-            f"Made against {main_pin['branch']} of {main_pin['repository']} at "
-            f"{main_pin['commit']}\n({main_pin['date']}, {main_pin['version']}). "
-            f"Its changes to {pin['subtree']}/ are generated from\n"
-            f"{pin['package']} {pin['version']} ({pin['artifact']},\n"
-            f"sha256 {pin['sha256']}),\nto which they apply as well."
-        )
-    text = text.replace(PLACEHOLDER_BLURB, series["cover"]["body"].strip() + "\n\n" + base_line, 1)
-    cover.write_text(text, encoding="utf-8")
-    names = sorted(p.name for p in out_dir.glob("[0-9][0-9][0-9][0-9]-*.patch"))
-    names = [n for n in names if not n.startswith("0000-")]
-    (out_dir / "series").write_text("".join(f"{n}\n" for n in names), encoding="utf-8")
+        listed = []
+        for number, pr in enumerate(series["pr"], 1):
+            pr_dir = out_dir / pr_dir_name(number, pr)
+            pr_dir.mkdir(parents=True, exist_ok=True)
+            git(
+                [
+                    "-c",
+                    "core.abbrev=12",
+                    "-c",
+                    "diff.noprefix=false",
+                    "format-patch",
+                    "-q",
+                    "--cover-letter",
+                    "--no-signature",
+                    "--zero-commit",
+                    "--no-binary",
+                    "--stat=80",
+                    "-o",
+                    str(pr_dir),
+                    f"{bases[number]}..{bases[number + 1]}",
+                ],
+                repo,
+                env,
+            )
+            _write_cover(pr_dir, series, number, pin)
+            names = sorted(p.name for p in pr_dir.glob("[0-9][0-9][0-9][0-9]-*.patch"))
+            listed += [f"{pr_dir.name}/{n}" for n in names if not n.startswith("0000-")]
+    (out_dir / "series").write_text("".join(f"{n}\n" for n in listed), encoding="utf-8")
     _write_checksums(pristine, out_dir, source_root, series, pin["subtree"])
     return out_dir
+
+
+def _write_cover(pr_dir, series, number, pin):
+    """Fill in the cover letter of pull request `number`: its subject, its description, and
+    what it is made against (upstream main, and the pull requests before it)."""
+    pr = series["pr"][number - 1]
+    cover = pr_dir / "0000-cover-letter.patch"
+    text = cover.read_text(encoding="utf-8")
+    text = text.replace(PLACEHOLDER_SUBJECT, pr["subject"], 1)
+    main_pin = pin["main"]
+    base_line = (
+        f"Made against {main_pin['branch']} of {main_pin['repository']} at "
+        f"{main_pin['commit']}\n({main_pin['date']}, {main_pin['version']})"
+    )
+    if number > 1:
+        before = ", ".join(
+            f'"{p["subject"]}" ({pr_dir_name(n, p)})'
+            for n, p in enumerate(series["pr"][: number - 1], 1)
+        )
+        base_line += f",\non top of {before}"
+    base_line += (
+        f". Its changes to {pin['subtree']}/ are generated from\n"
+        f"{pin['package']} {pin['version']} ({pin['artifact']},\n"
+        f"sha256 {pin['sha256']}),\nto which they apply as well."
+    )
+    text = text.replace(PLACEHOLDER_BLURB, pr["body"].strip() + "\n\n" + base_line, 1)
+    cover.write_text(text, encoding="utf-8")
 
 
 def _write_checksums(pristine, out_dir, source_root, series, subtree):
@@ -278,7 +325,11 @@ def compare_dirs(expected, actual, main_paths_aside=()):
     `main_paths_aside` (`actual` was generated without those upstream main files), their diffs
     and the diffstats are left out of the comparison."""
     expected, actual = Path(expected), Path(actual)
-    names = {p.name for p in expected.iterdir()} | {p.name for p in actual.iterdir()}
+
+    def files(root):
+        return {str(p.relative_to(root)) for p in root.rglob("*") if p.is_file()}
+
+    names = files(expected) | files(actual)
 
     def same(n):
         if not main_paths_aside:

@@ -21,7 +21,7 @@ import tempfile
 from pathlib import Path
 
 from .errors import ToolError
-from .series import git, hunk_headers, load_checksums, patch_files
+from .series import git, hunk_headers, load_checksums, patch_files, patch_label
 from .upstream import load_pin, sha256_of
 
 APPLIED, NOT_APPLIED, DRIFTED = "applied", "not applied", "drifted"
@@ -233,41 +233,44 @@ def status(target):
     relevant = relevant_patches(target, patches)
     if not relevant:
         raise ToolError(f"no patch of the series changes anything in {target}")
-    rows = {p.name: (NOT_FOR_TARGET, "tests and docs go to source checkouts only") for p in patches}
+    rows = {
+        patch_label(p): (NOT_FOR_TARGET, "tests and docs go to source checkouts only")
+        for p in patches
+    }
     saved = _Backup(target).states()
     if saved and set(saved.values()) == {"original", "patched"}:
         for patch in relevant:
-            rows[patch.name] = (
+            rows[patch_label(patch)] = (
                 INTERRUPTED,
                 "an apply or revert was interrupted: run apply to complete the series, or revert",
             )
-        return [(p.name, *rows[p.name]) for p in patches], INTERRUPTED
+        return [(patch_label(p), *rows[patch_label(p)]) for p in patches], INTERRUPTED
     forward = simulate(target, relevant)
     if _all_apply(forward):
         overall = NOT_APPLIED
         for patch, result in forward:
-            rows[patch.name] = (NOT_APPLIED, "with offset" if has_offset(result) else "")
+            rows[patch_label(patch)] = (NOT_APPLIED, "with offset" if has_offset(result) else "")
     elif _all_apply(simulate(target, relevant[::-1], "-R")):
         overall = APPLIED
         for patch in relevant:
-            rows[patch.name] = (APPLIED, "")
+            rows[patch_label(patch)] = (APPLIED, "")
     else:
         overall = DRIFTED
         applied = _applied_prefix(target, relevant)
         if applied:  # the series is in part (an earlier version of this tool was interrupted)
             overall = INTERRUPTED
             for i, patch in enumerate(relevant):
-                rows[patch.name] = (APPLIED, "") if i < applied else (NOT_APPLIED, "")
+                rows[patch_label(patch)] = (APPLIED, "") if i < applied else (NOT_APPLIED, "")
         else:  # where applying it stops, and why
             for patch in relevant:
-                rows[patch.name] = (NOT_CHECKED, "an earlier patch does not apply")
+                rows[patch_label(patch)] = (NOT_CHECKED, "an earlier patch does not apply")
             for patch, result in forward:
-                rows[patch.name] = (
+                rows[patch_label(patch)] = (
                     (NOT_APPLIED, "")
                     if result.returncode == 0
                     else (DRIFTED, _failure(result, patch))
                 )
-    return [(p.name, *rows[p.name]) for p in patches], overall
+    return [(patch_label(p), *rows[patch_label(p)]) for p in patches], overall
 
 
 def _applied_prefix(target, patches):
@@ -503,7 +506,7 @@ def _replace_other_version(target, results):
         patch, result = results[-1]
         raise ToolError(
             f"{target.subtree}/ carries another version of this series, and this version does "
-            f"not apply to the original files saved with it ({patch.name}: "
+            f"not apply to the original files saved with it ({patch_label(patch)}: "
             f"{_failure(result, patch)}); nothing was changed. 'revert' restores the originals."
         )
     undone = revert(target)
@@ -512,7 +515,7 @@ def _replace_other_version(target, results):
 
 def _applied_count(rows, patches):
     states = {name: state for name, state, _ in rows}
-    return sum(1 for patch in patches if states[patch.name] == APPLIED)
+    return sum(1 for patch in patches if states[patch_label(patch)] == APPLIED)
 
 
 def _apply_checkout(target):
@@ -540,7 +543,7 @@ def apply_all(target, patches, *reverse):
             continue
         result = target.git_apply(patch, *reverse)
         if result.returncode != 0:
-            raise ToolError(f"{patch.name}: {_failure(result, patch)}")
+            raise ToolError(f"{patch_label(patch)}: {_failure(result, patch)}")
         done += 1
     return done
 

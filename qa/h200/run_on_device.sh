@@ -6,6 +6,9 @@
 # Run the GPU tier on a bare GPU machine that has torch but no TransformerEngine: install real
 # TE from a kit (see CONTRIBUTING.md), patch it with the series, run the chosen stages.
 #   usage: TE_PATH=te-main qa/h200/run_on_device.sh KIT_DIR LOG_DIR STAGE...
+# With STACK_PREFIX=N, only the first N pull requests of the stack are applied to the installed
+# TE (with git apply; a later run without it completes the series with the tool), and TE_PATH
+# should hold TE's test files as those pull requests leave them.
 #   stages: single  dist  bench  bench_omp1  export  nightly  dcp  dcp_oom
 # The test files are TE's, as the series changes them, from TE_PATH (default te-main, the
 # patched upstream main tree of 'python -m build_tools materialize --source ...'; carry its
@@ -30,7 +33,14 @@ export PYTHONPATH=$SITE${PYTHONPATH:+:$PYTHONPATH}
 python3 -m pip install -q --upgrade --no-index --no-deps --no-build-isolation --target /tmp/tool-site . \
     >>"$LOG/setup.log" 2>&1 || { tail -40 "$LOG/setup.log"; exit 1; }
 export PATH=/tmp/tool-site/bin:$PATH PYTHONPATH=$PYTHONPATH:/tmp/tool-site
-te-fusedadam-offload apply --installed 2>&1 | tee -a "$LOG/setup.log" || exit 1
+if [ -n "${STACK_PREFIX:-}" ]; then
+    mapfile -t PREFIX < <(grep -E "^[1-${STACK_PREFIX}]-" patches/series | sed 's|^|patches/|')
+    (cd "$SITE" && git apply --include='transformer_engine/*' "${PREFIX[@]/#/$OLDPWD/}") 2>&1 \
+        | tee -a "$LOG/setup.log"
+    echo "applied ${#PREFIX[@]} patches of the first $STACK_PREFIX pull request(s)" | tee -a "$LOG/setup.log"
+else
+    te-fusedadam-offload apply --installed 2>&1 | tee -a "$LOG/setup.log" || exit 1
+fi
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | tee -a "$LOG/setup.log"
 python3 -W ignore -c "import torch, transformer_engine as t; print('torch', torch.__version__, 'te', t.__version__, 'gpus', torch.cuda.device_count())" | tee -a "$LOG/setup.log"
 
@@ -54,7 +64,6 @@ for stage in "$@"; do
     case $stage in
     single) run single timeout ${SINGLE_TIMEOUT:-900} python3 -m pytest -q -rs --durations=5 \
         "$TE_PATH/tests/pytorch/test_fused_optimizer.py" \
-        "$TE_PATH/tests/pytorch/test_fused_adam_state_dict_offload.py" \
         --junitxml="$LOG/single.xml" "${single_args[@]}" ;;
     dist) run dist timeout ${DIST_TIMEOUT:-1200} python3 -m pytest -v -rs -s \
         "$TE_PATH/tests/pytorch/distributed/test_torch_fsdp2.py" -k "fused_adam and not hybrid" \

@@ -4,10 +4,12 @@ CPU only. The pinned wheel is fetched once per cache (TE_FUSEDADAM_OFFLOAD_CACHE
 """
 
 import ast
+import email.header
 import errno
 import filecmp
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -22,6 +24,7 @@ from build_tools.errors import ToolError
 
 REPO = Path(__file__).resolve().parents[2]
 FUSED_ADAM = "transformer_engine/pytorch/optimizers/fused_adam.py"
+DOCS_PAGE = "docs/features/other_optimizations/fused_adam_state_dict_offload.rst"
 
 
 @pytest.fixture(scope="session")
@@ -138,9 +141,7 @@ def test_apply_replaces_another_version_of_the_series(tree, pristine):
     saved originals are there) gets this version from apply; revert then restores it."""
     t = target.find_target(tree)
     target.apply(t)
-    _as_other_version(
-        tree, b"_STATE_DICT_OFFLOAD_MAX_WORKERS = 16", b"_STATE_DICT_OFFLOAD_MAX_WORKERS = 8"
-    )
+    _as_other_version(tree, b"_OFFLOAD_MAX_BUFFERS = 16", b"_OFFLOAD_MAX_BUFFERS = 8")
     report = dict(target.file_report(t))
     assert report[FUSED_ADAM] == "patched by another version of this series; apply replaces it"
     assert target.other_version(t)
@@ -161,9 +162,7 @@ def test_other_version_on_other_originals_is_left_unchanged(tree):
     release), apply raises and changes nothing; revert still restores those originals."""
     t = target.find_target(tree)
     target.apply(t)
-    _as_other_version(
-        tree, b"_STATE_DICT_OFFLOAD_MAX_WORKERS = 16", b"_STATE_DICT_OFFLOAD_MAX_WORKERS = 8"
-    )
+    _as_other_version(tree, b"_OFFLOAD_MAX_BUFFERS = 16", b"_OFFLOAD_MAX_BUFFERS = 8")
     backup = tree / "transformer_engine" / target.BACKUP_DIR
     original = backup / "original" / FUSED_ADAM
     drifted = original.read_bytes().replace(
@@ -198,7 +197,7 @@ def test_series_adds_no_torch_import_at_module_scope(tree, pristine):
     series imports only standard-library modules at module scope of fused_adam.py."""
     target.apply(target.find_target(tree))
     added = _module_imports(tree / FUSED_ADAM) - _module_imports(pristine / FUSED_ADAM)
-    assert added == {"collections", "concurrent.futures", "os"}
+    assert added == {"collections", "concurrent.futures", "functools", "os"}
     assert all(name.split(".")[0] in sys.stdlib_module_names for name in added)
 
 
@@ -278,8 +277,14 @@ def _as_main(tree, monkeypatch):
             (tree / rel).parent.mkdir(parents=True, exist_ok=True)
             shutil.copyfile(main / rel, tree / rel)
         return [e["subject"] for e in entries]
-    changed_main = set(series.main_paths())
-    needs_main = [bool(changed_main & set(series.entry_paths(e))) for e in entries]
+    # Without main, the patches that change main files are left out, and so are those that
+    # change files that a left-out patch makes (the docs page).
+    left_out = set(series.main_paths())
+    needs_main = []
+    for entry in entries:
+        needs_main.append(bool(left_out & set(series.entry_paths(entry))))
+        if needs_main[-1]:
+            left_out.update(series.entry_paths(entry))
     kept = [p for p, needs in zip(series.patch_files(), needs_main) if not needs]
     monkeypatch.setattr(target, "patch_files", lambda: kept)
     monkeypatch.setattr(mainline, "patch_files", lambda: kept)
@@ -300,13 +305,12 @@ def test_checkout_gets_the_series_as_commits(tree, monkeypatch):
     body = _git(["log", "-1", "--format=%B"], tree)
     assert "Signed-off-by: " in body
     assert "state_dict_cpu_offload" in (tree / FUSED_ADAM).read_text(encoding="utf-8")
-    new_test = tree / "tests/pytorch/test_fused_adam_state_dict_offload.py"
-    assert new_test.is_file() == (len(expected) == len(series.patch_files()))
+    assert (tree / DOCS_PAGE).is_file() == (len(expected) == len(series.patch_files()))
     assert target.status(t)[1] == target.APPLIED
     assert target.apply(t) == "already applied; nothing to do"
     target.revert(t)
     assert _git(["rev-parse", "HEAD"], tree).strip() == base
-    assert not (tree / "tests/pytorch/test_fused_adam_state_dict_offload.py").exists()
+    assert not (tree / DOCS_PAGE).exists()
     assert target.status(t)[1] == target.NOT_APPLIED
 
 
@@ -382,11 +386,13 @@ def test_partly_applied_target_is_completed_or_reverted(tree, pristine, way_out)
     earlier version of the tool left it): reported as interrupted, with the patch that is in;
     apply completes the series, revert takes the first patch out."""
     t = target.find_target(tree)
-    first, second = series.patch_files()[:2]
+    first, second = target.relevant_patches(t)[:2]
     target.apply_all(t, [first])
     rows, overall = target.status(t)
     assert overall == target.INTERRUPTED
-    assert rows[:2] == [(first.name, target.APPLIED, ""), (second.name, target.NOT_APPLIED, "")]
+    states = {label: state for label, state, _ in rows}
+    assert states[series.patch_label(first)] == target.APPLIED
+    assert states[series.patch_label(second)] == target.NOT_APPLIED
     assert cli.main(["check", str(tree)]) == 0
     if way_out == "apply":
         assert "the first 1 were applied already" in target.apply(t)
@@ -396,27 +402,36 @@ def test_partly_applied_target_is_completed_or_reverted(tree, pristine, way_out)
 
 
 def test_materialize_writes_the_stages_of_a_file_changed_twice(tmp_path, tree):
-    """fused_adam.py is changed by patches 1, 2 and 5: .stages/0001/ and .stages/0002/ hold it
-    after patches 1 and 2."""
-    assert series.staged_paths() == {0: [FUSED_ADAM], 1: [FUSED_ADAM]}
+    """fused_adam.py is changed by patches 1, 3 and 5 (the export, the docstring fix, the
+    load): .stages/0001/ and .stages/0003/ hold it after patches 1 and 3."""
+    staged = series.staged_paths()
+    assert [i for i, paths in staged.items() if FUSED_ADAM in paths] == [0, 2]
     cli.materialize(tmp_path / "m")
     stages = []
-    for index, patch in enumerate(series.patch_files()[:2]):
+    for index, patch in enumerate(series.patch_files()[:3]):
         target.apply_all(target.find_target(tree), [patch])
-        stage = tmp_path / "m" / ".stages" / f"{index + 1:04d}" / FUSED_ADAM
-        assert stage.read_bytes() == (tree / FUSED_ADAM).read_bytes()
-        stages.append(stage.read_bytes())
+        if FUSED_ADAM in staged.get(index, ()):
+            stage = tmp_path / "m" / ".stages" / f"{index + 1:04d}" / FUSED_ADAM
+            assert stage.read_bytes() == (tree / FUSED_ADAM).read_bytes()
+            stages.append(stage.read_bytes())
     assert len({*stages, (tmp_path / "m" / FUSED_ADAM).read_bytes()}) == 3
     with pytest.raises(ToolError, match="already exists"):
         cli.materialize(tmp_path / "m")
 
 
-def test_only_upstream_files_may_be_changed_by_several_patches(monkeypatch):
-    doubled = series.load_series()
-    doubled["patch"].append(dict(doubled["patch"][-1], subject="again"))
-    monkeypatch.setattr(series, "load_series", lambda: doubled)
-    with pytest.raises(ToolError, match="only files under transformer_engine/"):
-        series.staged_paths()
+@pytest.mark.skipif(mainline.main_tree() is None, reason="needs the pinned main tree (TE_SOURCE)")
+def test_materialize_writes_the_stages_of_main_files_changed_twice(tmp_path):
+    """Both pull requests extend test_fused_optimizer.py: .stages/0002/ holds it as the first
+    pull request leaves it, the pinned main file with patch 2 applied."""
+    rel = "tests/pytorch/test_fused_optimizer.py"
+    assert rel in series.staged_paths()[1]
+    cli.materialize(tmp_path / "m")
+    scratch = tmp_path / "main"
+    (scratch / rel).parent.mkdir(parents=True)
+    shutil.copyfile(mainline.main_tree() / rel, scratch / rel)
+    patch = series.patch_files()[1]
+    series.git(["apply", f"--include={rel}", str(patch)], scratch)
+    assert (tmp_path / "m" / ".stages" / "0002" / rel).read_bytes() == (scratch / rel).read_bytes()
 
 
 def test_patches_are_up_to_date():
@@ -476,22 +491,113 @@ def test_materialize_makes_the_patched_main_tree(tmp_path):
     message = cli.materialize(tmp_path)
     assert "te-main: upstream main" in message
     main = tmp_path / "te-main"
-    assert (main / "tests/pytorch/test_fused_adam_state_dict_offload.py").is_file()
+    assert (main / DOCS_PAGE).is_file()
     for rel in series.main_paths():
         assert (main / rel).read_bytes() != (mainline.main_tree() / rel).read_bytes(), rel
     assert "state_dict_cpu_offload" in (main / "tests/pytorch/test_fused_optimizer.py").read_text()
 
 
-def test_series_is_format_patch_output_with_cover_letter_and_sign_off():
-    names = [p.name for p in series.patch_files()]
-    assert names == sorted(names) and names[0].startswith("0001-")
-    cover = (REPO / "patches" / "0000-cover-letter.patch").read_text(encoding="utf-8")
-    assert "*** SUBJECT HERE ***" not in cover and "*** BLURB HERE ***" not in cover
-    assert "sha256 " + upstream.load_pin()["sha256"] in cover
-    for patch in series.patch_files():
+def test_series_is_a_stack_of_pull_requests_with_cover_letters():
+    """patches/<n>-<name>/: format-patch output per pull request, numbered from 1 in each, with
+    a cover letter in TE's template; every patch signed off by the placeholder identity."""
+    stack = series.pr_patch_files()
+    assert [d.name for d, _ in stack] == ["1-export", "2-bounded-load"]
+    placeholder = "{} <{}>".format(*series.PLACEHOLDER_IDENTITY)
+    for number, (pr_dir, patches) in enumerate(stack, 1):
+        names = [p.name for p in patches]
+        assert names == sorted(names) and names[0].startswith("0001-")
+        cover = (pr_dir / "0000-cover-letter.patch").read_text(encoding="utf-8")
+        assert "*** SUBJECT HERE ***" not in cover and "*** BLURB HERE ***" not in cover
+        assert f"[PATCH 0/{len(patches)}]" in cover
+        assert "sha256 " + upstream.load_pin()["sha256"] in cover
+        assert "## Type of change" in cover and "- [x] New feature" in cover
+        assert "- [ ]" not in cover.split("# Checklist:")[1].split("\n\n")[1]
+        assert ("Fixes #3668" in cover) == (number == 1)
+        assert (',\non top of "[PyTorch]' in cover) == (number > 1)
+        for patch in patches:
+            text = patch.read_text(encoding="utf-8")
+            assert text.startswith("From 0000000000000000000000000000000000000000 ")
+            assert f"\nFrom: {placeholder}\n" in text
+            assert f"\nSigned-off-by: {placeholder}\n" in text
+
+
+def test_first_pull_request_adds_at_most_200_lines_under_transformer_engine():
+    """The export pull request stays small: what it adds under transformer_engine/."""
+    added = 0
+    for patch in series.pr_patch_files()[0][1]:
+        path = None
+        for line in patch.read_text(encoding="utf-8").splitlines():
+            if line.startswith("+++ "):
+                path = line[len("+++ b/") :]
+            elif line.startswith("+") and path and path.startswith("transformer_engine/"):
+                added += 1
+    assert 0 < added <= 200
+
+
+def _signed_off_stack(tmp_path, *args, env=None):
+    out = tmp_path / "signed"
+    result = subprocess.run(
+        [sys.executable, "-m", "build_tools", "pr", "--signoff", "--out", str(out), *args],
+        cwd=tmp_path,
+        env=_cli_env(**(env or {})),
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    return result, out
+
+
+def test_pr_signoff_writes_the_stack_signed_off_by_the_submitter(tmp_path, tree, monkeypatch):
+    """pr --signoff: every From: and Signed-off-by: of the stack names the submitter; git am of
+    the written stack makes commits authored and signed off by them."""
+    result, out = _signed_off_stack(tmp_path, "--identity", "Jane Doe <jane@example.org>")
+    assert result.returncode == 0, result.stderr
+    assert "signed off by Jane Doe <jane@example.org>" in result.stdout
+    written = [out / line for line in (out / "series").read_text().split()]
+    assert [p.relative_to(out) for p in written] == [
+        p.relative_to(series.patches_dir()) for p in series.patch_files()
+    ]
+    for patch in [*written, *out.glob("*/0000-cover-letter.patch")]:
         text = patch.read_text(encoding="utf-8")
-        assert text.startswith("From 0000000000000000000000000000000000000000 ")
-        assert "\nSigned-off-by: " in text
+        assert "you@example.com" not in text and "\nFrom: Jane Doe <jane@example.org>\n" in text
+    assert all("\nSigned-off-by: Jane Doe <jane@example.org>\n" in p.read_text() for p in written)
+    subjects = _as_main(tree, monkeypatch)
+    kept = {series.patch_label(p) for p in target.patch_files()}
+    _git(["init", "-q", "-b", "main"], tree)
+    _git(["add", "-A"], tree)
+    _git(["commit", "-qm", "TE"], tree)
+    _git(["am", *(str(p) for p in written if series.patch_label(p) in kept)], tree)
+    log = _git(["log", f"-{len(subjects)}", "--format=%an <%ae>|%(trailers:valueonly)"], tree)
+    assert set(log.split()) >= {"Doe", "<jane@example.org>|Jane"} and "Your Name" not in log
+
+
+def test_pr_signoff_takes_the_git_identity(tmp_path):
+    """Without --identity, the user's git identity (here from the environment), a non-ASCII
+    name encoded in the From: header as mail wants it."""
+    env = {"GIT_AUTHOR_NAME": "Ana Núñez", "GIT_AUTHOR_EMAIL": "ana@example.org"}
+    result, out = _signed_off_stack(tmp_path, env=env)
+    assert result.returncode == 0, result.stderr
+    text = next(out.glob("1-*/0001-*.patch")).read_text(encoding="utf-8")
+    header = re.search(r"^From: (.*)$", text, re.MULTILINE).group(1)
+    assert (
+        str(email.header.make_header(email.header.decode_header(header)))
+        == "Ana Núñez <ana@example.org>"
+    )
+    assert "\nSigned-off-by: Ana Núñez <ana@example.org>\n" in text
+
+
+@pytest.mark.parametrize(
+    "args, env, message",
+    [
+        ([], {"HOME": "/nonexistent", "GIT_CONFIG_NOSYSTEM": "1"}, "no git identity"),
+        (["--identity", "Your Name <you@example.com>"], {}, "placeholder identity"),
+        (["--identity", "jane@example.org"], {}, "expected an identity"),
+    ],
+)
+def test_pr_signoff_refuses_without_a_real_identity(tmp_path, args, env, message):
+    result, out = _signed_off_stack(tmp_path, *args, env=env)
+    assert result.returncode == 1 and message in result.stderr
+    assert not out.exists()
 
 
 def test_wheel_carries_the_series(tmp_path):
