@@ -53,9 +53,10 @@ def lint(main_root):
     _require("pylint", PYLINT_VERSION)
     _require("black", BLACK_VERSION)
     _require("vermin")
-    lines, ok, applied = [], True, []
+    lines, ok, applied, stack = [], True, [], "main"
     for pr_dir, patches in pr_patch_files():
         applied += patches
+        stack += f" + {pr_dir.name}"
         with tempfile.TemporaryDirectory() as tmp:
             tree = Path(tmp) / "te"
             shutil.copytree(main_root, tree, ignore=shutil.ignore_patterns(".commit"))
@@ -75,7 +76,7 @@ def lint(main_root):
                 code, output = _run(args, tree)
                 ok = ok and code == 0
                 state = "clean" if code == 0 else f"FAILED (exit {code})"
-                lines.append(f"{pr_dir.name} and the pull requests before it: {title}: {state}")
+                lines.append(f"{stack}: {title}: {state}")
                 if code != 0:
                     lines += [f"  {line}" for line in output.splitlines() if line.strip()]
     return ok, "\n".join(lines)
