@@ -137,8 +137,8 @@ def signed_off(out_dir, identity=None):
     (out_dir / "series").write_text("".join(f"{n}\n" for n in listing), encoding="utf-8")
     main = load_main_pin()
     return (
-        f"wrote {count} patches in {len(pr_patch_files())} pull requests to {out_dir}, signed off "
-        f"by {name} <{address}>.\nOn {main['repository']} at {main['commit'][:12]}: "
-        f"git am $(sed 's|^|{out_dir}/|' {out_dir}/series) makes the stack, a pull request "
-        "after another; each 0000-cover-letter.patch is a pull request's description."
+        f"wrote {count} patches in {len(pr_patch_files())} pull requests to {out_dir}, signed off"
+        f" by {name} <{address}>.\nOn {main['repository']} at {main['commit'][:12]}: git am"
+        f" --keep-non-patch $(sed 's|^|{out_dir}/|' {out_dir}/series) makes the stack, a pull"
+        " request after another; each 0000-cover-letter.patch is a pull request's description."
     )

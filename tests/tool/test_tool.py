@@ -566,9 +566,13 @@ def test_pr_signoff_writes_the_stack_signed_off_by_the_submitter(tmp_path, tree,
     _git(["init", "-q", "-b", "main"], tree)
     _git(["add", "-A"], tree)
     _git(["commit", "-qm", "TE"], tree)
-    _git(["am", *(str(p) for p in written if series.patch_label(p) in kept)], tree)
+    _git(
+        ["am", "--keep-non-patch", *(str(p) for p in written if series.patch_label(p) in kept)],
+        tree,
+    )
     log = _git(["log", f"-{len(subjects)}", "--format=%an <%ae>|%(trailers:valueonly)"], tree)
     assert set(log.split()) >= {"Doe", "<jane@example.org>|Jane"} and "Your Name" not in log
+    assert _git(["log", f"-{len(subjects)}", "--format=%s"], tree).split("\n")[::-1][1:] == subjects
 
 
 def test_pr_signoff_takes_the_git_identity(tmp_path):
