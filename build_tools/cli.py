@@ -17,9 +17,9 @@ from .review import lint, signed_off
 from .series import (
     STAGES_DIR,
     compare_dirs,
-    git,
     entry_paths,
     generate,
+    git,
     load_series,
     main_paths,
     patch_files,
