@@ -12,7 +12,7 @@ from pathlib import Path
 
 from .errors import ToolError
 from .mainline import load_main_pin
-from .series import PLACEHOLDER_IDENTITY, git, patch_files, pr_patch_files
+from .series import PLACEHOLDER_IDENTITY, git, patches_dir, pr_patch_files
 
 # What TE's CI runs (qa/L0_pytorch_lint/test.sh, .pre-commit-config.yaml at the pinned main).
 PYLINT_VERSION = "3.3.1"
@@ -53,24 +53,20 @@ def lint(main_root):
     _require("pylint", PYLINT_VERSION)
     _require("black", BLACK_VERSION)
     _require("vermin")
-    lines, ok, applied, stack = [], True, [], "main"
-    for pr_dir, patches in pr_patch_files():
-        applied += patches
-        stack += f" + {pr_dir.name}"
-        with tempfile.TemporaryDirectory() as tmp:
-            tree = Path(tmp) / "te"
-            shutil.copytree(main_root, tree, ignore=shutil.ignore_patterns(".commit"))
-            env = {"GIT_CEILING_DIRECTORIES": tmp}
-            changed = []
-            for patch in applied:
-                git(["apply", str(patch)], tree, env)
+    lines, ok, changed, stack = [], True, set(), "main"
+    with tempfile.TemporaryDirectory() as tmp:
+        tree = Path(tmp) / "te"
+        shutil.copytree(main_root, tree, ignore=shutil.ignore_patterns(".commit"))
+        for pr_dir, patches in pr_patch_files():  # each pull request on top of those before
+            stack += f" + {pr_dir.name}"
+            for patch in patches:
+                git(["apply", str(patch)], tree, {"GIT_CEILING_DIRECTORIES": tmp})
                 text = patch.read_text(encoding="utf-8")
-                changed += re.findall(r"^\+\+\+ b/(\S+\.py)$", text, re.MULTILINE)
-            changed = sorted(set(changed))
+                changed.update(re.findall(r"^\+\+\+ b/(\S+\.py)$", text, re.MULTILINE))
             checks = [
                 ("pylint " + " ".join(PYLINT_ARGS), ["pylint", *PYLINT_ARGS]),
-                ("black " + " ".join(BLACK_ARGS[1:]), ["black", *BLACK_ARGS, *changed]),
-                ("vermin " + " ".join(VERMIN_ARGS[:2]), ["vermin", *VERMIN_ARGS, *changed]),
+                ("black " + " ".join(BLACK_ARGS[1:]), ["black", *BLACK_ARGS, *sorted(changed)]),
+                ("vermin " + " ".join(VERMIN_ARGS[:2]), ["vermin", *VERMIN_ARGS, *sorted(changed)]),
             ]
             for title, args in checks:
                 code, output = _run(args, tree)
@@ -117,8 +113,8 @@ def signed_off(out_dir, identity=None):
     out_dir = Path(out_dir)
     if out_dir.exists() and any(out_dir.iterdir()):
         raise ToolError(f"{out_dir} is not empty; give a new directory")
-    count = 0
-    for pr_dir, patches in pr_patch_files():
+    count, stack = 0, pr_patch_files()
+    for pr_dir, patches in stack:
         (out_dir / pr_dir.name).mkdir(parents=True, exist_ok=True)
         for patch in [pr_dir / "0000-cover-letter.patch", *patches]:
             text = patch.read_text(encoding="utf-8")
@@ -133,11 +129,10 @@ def signed_off(out_dir, identity=None):
                 )
                 count += 1
             (out_dir / pr_dir.name / patch.name).write_text(text, encoding="utf-8")
-    listing = [f"{p.parent.name}/{p.name}" for p in patch_files()]
-    (out_dir / "series").write_text("".join(f"{n}\n" for n in listing), encoding="utf-8")
+    shutil.copyfile(patches_dir() / "series", out_dir / "series")
     main = load_main_pin()
     return (
-        f"wrote {count} patches in {len(pr_patch_files())} pull requests to {out_dir}, signed off"
+        f"wrote {count} patches in {len(stack)} pull requests to {out_dir}, signed off"
         f" by {name} <{address}>.\nOn {main['repository']} at {main['commit'][:12]}: git am"
         f" --keep-non-patch $(sed 's|^|{out_dir}/|' {out_dir}/series) makes the stack, a pull"
         " request after another; each 0000-cover-letter.patch is a pull request's description."
