@@ -1,7 +1,7 @@
 """Packaging of the FusedAdam state_dict CPU offload patch series for TransformerEngine.
 
 Installs the tool in build_tools/ as the module te_fusedadam_offload (command
-te-fusedadam-offload) with the series (patches/, series.toml, upstream.json) as its data.
+te-fusedadam-offload) with the series (patches/, series.toml, upstream.json, compat/) as its data.
 """
 
 import shutil
@@ -12,7 +12,7 @@ from setuptools.command.build_py import build_py
 
 HERE = Path(__file__).resolve().parent
 MODULE = "te_fusedadam_offload"
-DATA = ["upstream.json", "series.toml", "patches"]
+DATA = ["upstream.json", "series.toml", "patches", "compat"]
 
 
 class BuildWithSeries(build_py):

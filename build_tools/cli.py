@@ -1,16 +1,18 @@
 """te-fusedadam-offload: the command line of the patch set."""
 
 import argparse
+import json
 import os
 import shutil
 import signal
 import sys
 import tempfile
+import textwrap
 from pathlib import Path
 
 from . import __version__
 from .drift import CONFLICT, drift
-from .errors import ToolError
+from .errors import EXIT_NEEDS, EXIT_NO, EXIT_NO_TARGET, EXIT_USAGE, ToolError
 from .mainline import MAIN_DIR, check_main, main_source, main_tree
 from .paths import repo_root
 from .review import lint, signed_off
@@ -30,14 +32,18 @@ from .series import (
 from .target import (
     APPLIED,
     DRIFTED,
+    NOT_APPLIED,
     Target,
     apply,
     apply_all,
+    dry_run,
     file_report,
     find_target,
+    notes,
     other_version,
     revert,
     status,
+    te_version,
 )
 from .upstream import fetch_pinned, load_pin, pristine_tree
 
@@ -211,7 +217,7 @@ def cmd_refresh(args):
                     f"SKIPPED: the diffs of {len(changed_main)} upstream main files "
                     f"({', '.join(changed_main)}) and the diffstats were not regenerated: no "
                     "TE source given (set TE_SOURCE to a TransformerEngine git clone); their "
-                    "commit messages and every other diff were"
+                    "commit messages and every other diff were regenerated and match"
                 )
             return
         dest = patches_dir()
@@ -221,7 +227,7 @@ def cmd_refresh(args):
 
 
 def _target(args):
-    return find_target(args.path, args.installed)
+    return find_target(args.path, args.installed, args.python)
 
 
 def _print_status(target):
@@ -236,9 +242,27 @@ def cmd_status(args):
     """Tell whether the series is applied, not applied, interrupted or drifted, per patch and
     file. Exit 0 if it is applied, 1 otherwise."""
     target = _target(args)
-    overall = _print_status(target)
-    for rel, state in file_report(target):
-        print(f"  {rel}: {state}")
+    if args.json:
+        rows, overall = status(target)
+        report = {
+            "target": str(target.root),
+            "kind": target.kind,
+            "te_version": te_version(target),
+            "series_for": load_pin()["version"],
+            "status": overall,
+            "patches": [
+                {"patch": name, "state": state, "detail": detail} for name, state, detail in rows
+            ],
+            "files": [{"path": rel, "state": what} for rel, what in file_report(target, overall)],
+            "notes": notes(target, overall),
+        }
+        print(json.dumps(report, indent=2))
+    else:
+        overall = _print_status(target)
+        for rel, state in file_report(target, overall):
+            print(f"  {rel}: {state}")
+        for note in notes(target, overall):
+            print(f"note: {note}")
     return 0 if overall == APPLIED else 1
 
 
@@ -255,8 +279,14 @@ def cmd_check(args):
 
 
 def cmd_apply(args):
-    """Apply the series (idempotent, all or nothing)."""
+    """Apply the series (idempotent, all or nothing); with --dry-run, show what it would
+    change and change nothing."""
     target = _target(args)
+    if args.dry_run:
+        message, diff = dry_run(target)
+        sys.stdout.write(diff)
+        print(f"dry run: {target}: {message}; nothing was changed")
+        return
     print(f"{target}: {apply(target)}")
     _, overall = status(target)
     if overall != APPLIED:
@@ -267,20 +297,24 @@ def cmd_revert(args):
     """Take the series out, restoring the exact files it changed."""
     target = _target(args)
     print(f"{target}: {revert(target)}")
-    for rel, state in file_report(target):
+    for rel, state in file_report(target, NOT_APPLIED):
         print(f"  {rel}: {state}")
 
 
 def cmd_drift(args):
-    """Try the series against other releases; exit 1 if one conflicts."""
-    report = drift(args.versions)
-    worst = 0
-    for version, (sha, rows) in report.items():
-        print(f"{load_pin()['package']} {version} (sha256 {sha}):")
+    """Try the series against other releases (default: every release the series supports
+    and the newest); exit 1 if one conflicts, 4 if one could not be downloaded."""
+    conflict = missing = False
+    for version, sha, rows, note in drift(args.versions):
+        print(f"{load_pin()['package']} {version}" + (f" (sha256 {sha})" if sha else "") + ":")
         for name, result, detail in rows:
             print(f"  {name}: {result}" + (f" ({detail})" if detail else ""))
-            worst = max(worst, 1 if result == CONFLICT else 0)
-    return worst
+            conflict = conflict or result == CONFLICT
+        if note:
+            print(f"  note: {note}")
+        missing = missing or sha is None
+        sys.stdout.flush()
+    return EXIT_NO if conflict else EXIT_NEEDS if missing else 0
 
 
 def cmd_check_main(args):
@@ -317,45 +351,52 @@ def cmd_fetch(args):
     print(fetch_pinned(args.wheel))
 
 
+EXIT_CODES = f"""exit status:
+  0  success (status: the series is applied)
+  {EXIT_NO}  no: not applied or drifted (status), drifted (check), refused or stopped
+     (apply, revert: the message says what the files are), a failed check (maintainers)
+  {EXIT_USAGE}  bad arguments
+  {EXIT_NO_TARGET}  no TE where named: no such directory, no transformer_engine/ in it, none
+     installed in the Python, or only what apply saved left by an uninstall of TE
+  {EXIT_NEEDS}  something the tool needs is missing or unreachable: git, the Python of
+     --python, the package index
+  141  the reader of the output went away (status | head -1)"""
+
+
 def build_parser():
-    """The argument parser."""
+    """The argument parser: the commands for users first, then those for maintainers of the
+    series, which work in a checkout of its repository."""
     parser = argparse.ArgumentParser(
         prog="te-fusedadam-offload",
         description=(
-            "Materialize, apply, check, revert and refresh the FusedAdam "
-            "state_dict_cpu_offload patch series for TransformerEngine."
+            "Apply, check and revert the FusedAdam state_dict_cpu_offload patch series on a\n"
+            "TransformerEngine: the one installed in this Python (the default), the one of\n"
+            "another Python (--python), a source checkout, or a directory holding\n"
+            "transformer_engine/. The commands marked [maintainers] make and check the series\n"
+            "itself; most of them work in a checkout of its repository."
         ),
+        epilog=EXIT_CODES,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.add_argument("--version", action="version", version=__version__)
-    sub = parser.add_subparsers(dest="command", required=True)
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     def add(name, func, help_text):
-        p = sub.add_parser(name, help=help_text, description=help_text)
+        p = sub.add_parser(
+            name,
+            help=help_text,
+            description=textwrap.fill(" ".join(help_text.split()), 80),
+            epilog=EXIT_CODES,
+            formatter_class=argparse.RawDescriptionHelpFormatter,
+        )
         p.set_defaults(func=func)
         return p
 
-    wheel_help = "use this copy of the pinned wheel instead of downloading it (checked by sha256)"
-    p = add("fetch", cmd_fetch, cmd_fetch.__doc__)
-    p.add_argument("--wheel", help=wheel_help)
-    source_help = (
-        "a TransformerEngine git clone holding the pinned main commit, for the series' changes "
-        "to upstream main files (default: $TE_SOURCE; once exported, the tree is cached)"
-    )
-    p = add("materialize", cmd_materialize, cmd_materialize.__doc__)
-    p.add_argument("--dest", help="directory to hold transformer_engine/ (default: the repo)")
-    p.add_argument("--wheel", help=wheel_help)
-    p.add_argument("--source", help=source_help)
-    p = add("refresh", cmd_refresh, cmd_refresh.__doc__)
-    p.add_argument(
-        "--check", action="store_true", help="only check that patches/ is up to date (for CI)"
-    )
-    p.add_argument("--wheel", help=wheel_help)
-    p.add_argument("--source", help=source_help)
     for name, func in (
         ("apply", cmd_apply),
+        ("status", cmd_status),
         ("check", cmd_check),
         ("revert", cmd_revert),
-        ("status", cmd_status),
     ):
         p = add(name, func, func.__doc__)
         group = p.add_mutually_exclusive_group()
@@ -369,34 +410,67 @@ def build_parser():
             action="store_true",
             help="the TE installed in this Python environment (the default without a path)",
         )
-    p = add("check-main", cmd_check_main, cmd_check_main.__doc__)
-    p.add_argument("source", nargs="?", help="a TransformerEngine git clone (default: $TE_SOURCE)")
-    p = add("lint", cmd_lint, cmd_lint.__doc__)
+        group.add_argument(
+            "--python",
+            metavar="PYTHON",
+            help="the TE installed in the environment of this Python interpreter (for a "
+            "tool installed elsewhere, e.g. with pipx): --python /path/to/venv/bin/python",
+        )
+        if name == "apply":
+            p.add_argument(
+                "--dry-run",
+                action="store_true",
+                help="print the diff that apply would make, and change nothing",
+            )
+        if name == "status":
+            p.add_argument("--json", action="store_true", help="print the report as JSON")
+
+    maintainer = "[maintainers] "
+    wheel_help = "use this copy of the pinned wheel instead of downloading it (checked by sha256)"
+    source_help = (
+        "a TransformerEngine git clone holding the pinned main commit, for the series' changes "
+        "to upstream main files (default: $TE_SOURCE; once exported, the tree is cached)"
+    )
+    p = add("fetch", cmd_fetch, maintainer + cmd_fetch.__doc__)
+    p.add_argument("--wheel", help=wheel_help)
+    p = add("materialize", cmd_materialize, maintainer + cmd_materialize.__doc__)
+    p.add_argument("--dest", help="directory to hold transformer_engine/ (default: the repo)")
+    p.add_argument("--wheel", help=wheel_help)
     p.add_argument("--source", help=source_help)
-    p = add("pr", cmd_pr, cmd_pr.__doc__)
-    p.add_argument("--signoff", action="store_true", required=True, help="sign off as yourself")
-    p.add_argument("--out", required=True, help="a new directory for the signed-off stack")
-    p.add_argument("--identity", help="'Name <email>' instead of your git identity")
-    p = add("drift", cmd_drift, cmd_drift.__doc__)
+    p = add("refresh", cmd_refresh, maintainer + cmd_refresh.__doc__)
+    p.add_argument(
+        "--check", action="store_true", help="only check that patches/ is up to date (for CI)"
+    )
+    p.add_argument("--wheel", help=wheel_help)
+    p.add_argument("--source", help=source_help)
+    p = add("drift", cmd_drift, maintainer + cmd_drift.__doc__)
     p.add_argument(
         "versions",
         nargs="*",
-        help="releases to try (default: the pinned minor series and the newest)",
+        help="releases to try (default: every release the series supports, and the newest)",
     )
+    p = add("check-main", cmd_check_main, maintainer + cmd_check_main.__doc__)
+    p.add_argument("source", nargs="?", help="a TransformerEngine git clone (default: $TE_SOURCE)")
+    p = add("lint", cmd_lint, maintainer + cmd_lint.__doc__)
+    p.add_argument("--source", help=source_help)
+    p = add("pr", cmd_pr, maintainer + cmd_pr.__doc__)
+    p.add_argument("--signoff", action="store_true", required=True, help="sign off as yourself")
+    p.add_argument("--out", required=True, help="a new directory for the signed-off stack")
+    p.add_argument("--identity", help="'Name <email>' instead of your git identity")
     return parser
 
 
 def main(argv=None):
-    """Entry point; returns the exit status: 0 success (for status: applied), 1 failure (for
-    status: not applied; for check: drifted), 2 bad arguments, 141 output pipe closed."""
+    """Entry point; returns the exit status (EXIT_CODES)."""
     args = build_parser().parse_args(argv)
     try:
         code = args.func(args) or 0
         sys.stdout.flush()  # here, so that a closed pipe is caught below
         return code
     except ToolError as exc:
+        sys.stdout.flush()
         print(f"te-fusedadam-offload {args.command}: error: {exc}", file=sys.stderr)
-        return 1
+        return exc.code
     except BrokenPipeError:
         # The reader of our output went away (`status | head -1`): stop quietly, and keep the
         # interpreter from failing again when it flushes stdout at exit.

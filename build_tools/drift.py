@@ -6,9 +6,19 @@ import sys
 import tempfile
 from pathlib import Path
 
-from .errors import ToolError
+from .errors import NeedsError
 from .series import patch_label
-from .target import NOT_CHECKED, Target, _failure, has_offset, relevant_patches, simulate
+from .target import (
+    NOT_CHECKED,
+    Target,
+    _failure,
+    _version_key,
+    has_offset,
+    older_than_supported,
+    relevant_patches,
+    simulate,
+    supported_range,
+)
 from .upstream import cache_dir, download_wheel, load_pin, sha256_of, unpack_subtree
 
 CLEAN, OFFSET, CONFLICT = "applies cleanly", "applies with offset", "conflicts"
@@ -20,7 +30,7 @@ def released_versions(package):
     result = subprocess.run(cmd, capture_output=True, text=True, check=False)
     m = re.search(r"Available versions: (.+)", result.stdout)
     if result.returncode != 0 or not m:
-        raise ToolError(
+        raise NeedsError(
             f"could not list the releases of {package}; is the network reachable?\n"
             f"{result.stderr.strip()}"
         )
@@ -28,21 +38,19 @@ def released_versions(package):
 
 
 def default_versions():
-    """The pinned release, the other patch releases of its minor series, and the newest."""
+    """Every release the series supports (from the oldest supported on) and the newest."""
     pin = load_pin()
+    oldest = _version_key(supported_range()[0])
     released = [v for v in released_versions(pin["package"]) if re.fullmatch(r"[\d.]+", v)]
-    minor = ".".join(pin["version"].split(".")[:2]) + "."
-    chosen = [v for v in released if v.startswith(minor)]
-    if released and released[0] not in chosen:
-        chosen.insert(0, released[0])
+    chosen = [v for v in released if _version_key(v) >= oldest]
     if pin["version"] not in chosen:
         chosen.append(pin["version"])
-    return chosen
+    return sorted(chosen, key=_version_key)
 
 
 def check_tree(root):
-    """[(patch, result, detail)] for the series against a tree holding transformer_engine/,
-    applied in order to a scratch copy."""
+    """[(patch, result, detail)] for the series (after the compat patch that the tree needs,
+    if any) against a tree holding transformer_engine/, applied in order to a scratch copy."""
     target = Target(root, "tree")
     relevant = relevant_patches(target)
     rows = {patch_label(p): (NOT_CHECKED, "an earlier patch conflicts") for p in relevant}
@@ -60,13 +68,23 @@ def check_tree(root):
 
 
 def drift(versions=None):
-    """{version: (wheel sha256, rows)} for each release tried."""
+    """Yield (version, wheel sha256, rows, note) for each release tried, in turn; a release
+    that cannot be downloaded gets sha256 None and a row that says why, and the others are
+    still tried."""
     pin = load_pin()
-    versions = versions or default_versions()
-    report = {}
-    for version in versions:
-        wheel = download_wheel(pin["package"], version, cache_dir() / "wheels")
+    oldest, pinned = supported_range()
+    for version in versions or default_versions():
+        try:
+            wheel = download_wheel(pin["package"], version, cache_dir() / "wheels")
+        except NeedsError as exc:
+            yield version, None, [("download", NOT_CHECKED, str(exc).replace("\n", " "))], ""
+            continue
+        note = ""
+        if older_than_supported(version):
+            note = (
+                f"older than the releases the series supports (TE {oldest} to {pinned}): "
+                "apply refuses it"
+            )
         with tempfile.TemporaryDirectory() as tmp:
             unpack_subtree(wheel, pin["subtree"], Path(tmp))
-            report[version] = (sha256_of(wheel), check_tree(tmp))
-    return report
+            yield version, sha256_of(wheel), check_tree(tmp), note

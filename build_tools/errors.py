@@ -1,5 +1,26 @@
-"""Errors the tool reports to its user."""
+"""Errors the tool reports to its user, each with the exit status of its kind."""
+
+# Exit statuses (also in the README and in `--help`).
+EXIT_NO = 1  # the answer is no: not applied, drifted, a failed check; or a run that failed
+EXIT_USAGE = 2  # bad arguments (argparse)
+EXIT_NO_TARGET = 3  # no TE where named: no such directory, no transformer_engine/ in it
+EXIT_NEEDS = 4  # something the tool needs is missing or unreachable: git, a Python, the network
 
 
 class ToolError(Exception):
-    """A failure with a message for the user; the command exits with status 1."""
+    """A failure with a message for the user; the command exits with `code` (1 by default)."""
+
+    code = EXIT_NO
+
+
+class NoTargetError(ToolError):
+    """No TE where the user pointed: the command exits with status 3."""
+
+    code = EXIT_NO_TARGET
+
+
+class NeedsError(ToolError):
+    """Something the tool needs (git, another Python, the package index) is missing or
+    unreachable: the command exits with status 4."""
+
+    code = EXIT_NEEDS

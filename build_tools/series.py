@@ -13,13 +13,14 @@ try:
 except ModuleNotFoundError:  # Python 3.10
     import tomli as tomllib
 
-from .errors import ToolError
+from .errors import NeedsError, ToolError
 from .paths import data_file
 from .upstream import load_pin, pristine_tree, sha256_of
 
 # A file that several patches change: its content after each patch but the last that changes
 # it lives in <tree>/.stages/NNNN/<path> (NNNN: that patch's number), beside the final file.
 STAGES_DIR = ".stages"
+COMPAT_DIR = "compat"
 
 PLACEHOLDER_SUBJECT = "*** SUBJECT HERE ***"
 PLACEHOLDER_BLURB = "*** BLURB HERE ***"
@@ -54,9 +55,16 @@ def pr_dir_name(number, pr):
 def patch_label(patch):
     """How a patch is named in reports: its pull request's directory and its file name."""
     patch = Path(patch)
-    return (
-        f"{patch.parent.name}/{patch.name}" if re.match(r"\d+-", patch.parent.name) else patch.name
-    )
+    if re.match(r"\d+-", patch.parent.name) or patch.parent.name == COMPAT_DIR:
+        return f"{patch.parent.name}/{patch.name}"
+    return patch.name
+
+
+def compat_patches():
+    """The compat patches (compat/*.patch, in name order): each is applied before the series
+    to the older releases whose context lines differ from the pinned release's in a way that
+    the patch mends (see its header), and never on its own."""
+    return sorted(data_file(COMPAT_DIR).glob("*.patch"))
 
 
 def stage_dir(index):
@@ -128,7 +136,7 @@ def git(args, cwd, env=None, check=True, input_text=None):
         )
     except FileNotFoundError as exc:
         if not shutil.which("git"):
-            raise ToolError("git is needed but was not found on PATH; install git") from exc
+            raise NeedsError("git is needed but was not found on PATH; install git") from exc
         raise
     if check and result.returncode != 0:
         raise ToolError(f"git {' '.join(args)} failed:\n{result.stderr.strip()}")

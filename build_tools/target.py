@@ -9,19 +9,21 @@ the series makes it, the next apply completes an interrupted apply, and revert r
 exact original bytes and modes.
 """
 
+import difflib
 import errno
 import hashlib
-import importlib.util
 import json
 import os
 import re
 import shutil
 import signal
+import subprocess
+import sys
 import tempfile
 from pathlib import Path
 
-from .errors import ToolError
-from .series import git, hunk_headers, load_checksums, patch_files, patch_label
+from .errors import NeedsError, NoTargetError, ToolError
+from .series import compat_patches, git, hunk_headers, load_checksums, patch_files, patch_label
 from .upstream import load_pin, sha256_of
 
 APPLIED, NOT_APPLIED, DRIFTED = "applied", "not applied", "drifted"
@@ -108,18 +110,34 @@ class Target:
     git checkout of TE, which gets the whole series as commits with `git am`.
     """
 
-    def __init__(self, root, kind):
+    def __init__(self, root, kind, python=None):
         self.root = Path(root).resolve()
         self.kind = kind
+        self.python = python  # the interpreter whose installed TE this is (kind "installed")
         self.subtree = load_pin()["subtree"]
         if not (self.root / self.subtree).is_dir():
             hint = ""
             if self.root.name == self.subtree:
                 hint = f"; pass the directory that holds it, {self.root.parent}"
-            raise ToolError(f"{self.root} holds no {self.subtree}/ directory{hint}")
+            raise NoTargetError(f"{self.root} holds no {self.subtree}/ directory{hint}")
+        package = self.root / self.subtree
+        # What `pip uninstall` leaves of a patched TE: the saved originals, which pip does
+        # not know about, and nothing else of TE.
+        self.leftover = not (package / "__init__.py").exists() and (package / BACKUP_DIR).is_dir()
 
     def __str__(self):
         return f"{self.kind} TE at {self.root}"
+
+    def refuse_leftover(self):
+        """Raise NoTargetError if TE was uninstalled from here and only the saved originals
+        are left."""
+        if self.leftover:
+            raise NoTargetError(
+                f"no TE at {self.root}: {self.subtree}/ holds only {BACKUP_DIR}/, the original "
+                "files that apply saved, left behind when TE was uninstalled (pip removes only "
+                f"the files it installed); 'revert' removes it, or: rm -r "
+                f"{self.root / self.subtree / BACKUP_DIR}"
+            )
 
     @property
     def include(self):
@@ -145,19 +163,63 @@ def te_version(target):
     return None
 
 
-def find_target(path=None, installed=False):
-    """The target named by a path, or the TE that this Python imports."""
-    if installed or path is None:
-        spec = importlib.util.find_spec("transformer_engine")
-        if spec is None or not spec.submodule_search_locations:
-            raise ToolError(
-                "transformer_engine is not installed in this Python environment "
+def _version_key(version):
+    """(major, minor, patch) of a release string such as '2.16.1' or '2.20.0.dev0'."""
+    numbers = [int(n) for n in re.findall(r"\d+", version)[:3]]
+    return tuple(numbers + [0] * (3 - len(numbers)))
+
+
+def supported_range():
+    """(oldest, pinned): the releases from `oldest` on are supported; `pinned` is the one the
+    series is made and tested for."""
+    pin = load_pin()
+    return pin.get("supported", {}).get("oldest", pin["version"]), pin["version"]
+
+
+def older_than_supported(version):
+    """Whether a TE version is older than the oldest release the series supports."""
+    return version is not None and _version_key(version) < _version_key(supported_range()[0])
+
+
+# Where the TE that a Python imports lives; run from "/", so that the current directory
+# (a checkout with transformer_engine/ in it) does not decide it. Nothing is imported.
+_FIND_TE = (
+    "import importlib.util, json; s = importlib.util.find_spec('transformer_engine'); "
+    "print(json.dumps(list(s.submodule_search_locations or []) if s else []))"
+)
+
+
+def _installed_location(python):
+    """The directory holding the transformer_engine/ that `python` imports, or None."""
+    try:
+        result = subprocess.run(
+            [python, "-c", _FIND_TE], cwd="/", capture_output=True, text=True, check=False
+        )
+    except OSError as exc:
+        raise NeedsError(f"cannot run the Python {python}: {exc.strerror or exc}") from exc
+    if result.returncode != 0:
+        raise NeedsError(f"the Python {python} failed: {result.stderr.strip()[-500:]}")
+    locations = json.loads(result.stdout.strip().splitlines()[-1])
+    return Path(locations[0]).parent if locations else None
+
+
+def find_target(path=None, installed=False, python=None):
+    """The target named by a path, or the TE that this Python (or `python`) imports."""
+    if installed or python is not None or path is None:
+        python = python or sys.executable
+        root = _installed_location(python)
+        if root is None:
+            where = "this Python environment" if python == sys.executable else python
+            raise NoTargetError(
+                f"transformer_engine is not installed in {where} "
                 "(pass the path of a TE tree instead)"
             )
-        return Target(Path(list(spec.submodule_search_locations)[0]).parent, "installed")
+        return Target(root, "installed", python)
     root = Path(path)
+    if not root.exists():
+        raise NoTargetError(f"{root} does not exist")
     if not root.is_dir():
-        raise ToolError(f"{root} is not a directory")
+        raise NoTargetError(f"{root} is not a directory")
     kind = "checkout" if (root / ".git").exists() else "tree"
     return Target(root, kind)
 
@@ -192,9 +254,32 @@ def has_offset(result):
     return re.search(r"offset -?\d+ lines?", result.stderr + result.stdout) is not None
 
 
-def relevant_patches(target, patches=None):
-    """The patches of the series (or of `patches`) that change files this target holds."""
-    return [p for p in (patch_files() if patches is None else patches) if _touched(p, target)]
+def relevant_patches(target, patches=None, originals=None):
+    """The patches of the series (or of `patches`) that change files this target holds.
+
+    Without `patches`, on an older release whose context lines the series needs a compat
+    patch for (compat/), that patch comes first. Which variant (the series alone, or after a
+    compat patch) is decided by the files before the series: `originals` (see simulate), else
+    the originals that apply saved in the target (while its files are those or patched), else
+    the target's files: the first variant that applies to them. A compat patch makes a file of
+    an older release read like a newer one, so a patched file cannot tell which variant made
+    it; a compat patch is only ever applied by apply, which saves the originals. If no variant
+    applies, the series alone (a drifted target is reported against the series itself)."""
+    chosen = [p for p in (patch_files() if patches is None else patches) if _touched(p, target)]
+    if patches is not None or not chosen:
+        return chosen
+    compat = [c for c in compat_patches() if _touched(c, target)]
+    if not compat:
+        return chosen
+    if originals is None:
+        backup = _Backup(target)
+        saved = backup.states()
+        if saved and "other" not in saved.values():
+            originals = {rel: backup.original(rel) for rel in saved}
+    for variant in [chosen] + [[c, *chosen] for c in compat]:
+        if _all_apply(simulate(target, variant, originals=originals)):
+            return variant
+    return chosen
 
 
 def simulate(target, patches, *reverse, originals=None, contents=None):
@@ -229,10 +314,12 @@ def simulate(target, patches, *reverse, originals=None, contents=None):
 
 def status(target):
     """[(patch name, state, detail)] and the overall state."""
-    patches = patch_files()
-    relevant = relevant_patches(target, patches)
+    target.refuse_leftover()
+    relevant = relevant_patches(target)
     if not relevant:
         raise ToolError(f"no patch of the series changes anything in {target}")
+    # The series' patches, after the compat patch that this release needs, if any.
+    patches = [p for p in relevant if p not in patch_files()] + patch_files()
     rows = {
         patch_label(p): (NOT_FOR_TARGET, "tests and docs go to source checkouts only")
         for p in patches
@@ -287,9 +374,15 @@ def _all_apply(results):
     return all(result.returncode == 0 for _, result in results)
 
 
-def file_report(target):
-    """[(path, pristine|patched|other)] for the upstream files the series changes."""
+def file_report(target, overall=None):
+    """[(path, what it is)] for the upstream files the series changes: compared byte for byte
+    with the pinned release's file and with that file patched, and, where it is neither (as
+    on another TE version), by what the series does to it (`overall`, from status())."""
     report = []
+    if target.leftover:
+        return [(rel, "missing (TE was uninstalled)") for rel in sorted(load_checksums())]
+    pinned, found = load_pin()["version"], te_version(target)
+    other = found if found and found != pinned else None
     saved = _Backup(target).states() or {}
     for rel, (before, after) in sorted(load_checksums().items()):
         path = target.root / rel
@@ -298,14 +391,42 @@ def file_report(target):
             continue
         digest = sha256_of(path)
         if digest == before:
-            report.append((rel, f"pristine {load_pin()['version']}"))
+            report.append((rel, f"as released in TE {pinned}"))
         elif digest == after:
-            report.append((rel, "patched by this series"))
-        elif saved.get(rel) == "patched":
+            report.append((rel, f"TE {pinned}'s, patched by this series"))
+        elif saved.get(rel) == "patched" and other_version(target):
             report.append((rel, "patched by another version of this series; apply replaces it"))
+        elif overall == APPLIED:
+            report.append((rel, f"TE {other or 'of another version'}'s, patched by this series"))
+        elif overall == NOT_APPLIED:
+            report.append((rel, f"as released in TE {other}" if other else "not patched"))
         else:
-            report.append((rel, "differs from both"))
+            report.append(
+                (
+                    rel,
+                    f"neither as released in TE {pinned} nor as this series patches that"
+                    + (f"; the TE here is {other}" if other else "")
+                    + ": edited, patched by something else, or of a release that the series "
+                    "does not apply to",
+                )
+            )
     return report
+
+
+def notes(target, overall):
+    """What the user should know beyond the state: TE reinstalled or upgraded over an apply."""
+    backup = _Backup(target)
+    saved = backup.states()
+    if overall != NOT_APPLIED or not saved or "patched" in saved.values():
+        return []
+    then = (backup.meta or {}).get("te_version")
+    now = te_version(target)
+    change = f" (TE {then} then, TE {now} now)" if then and now and then != now else ""
+    return [
+        f"the series was applied here and is not now{change}: TE was reinstalled or upgraded "
+        "since (which undoes it), or an apply was stopped before it changed a file. Run apply "
+        "again; it is idempotent: run it after every install or upgrade of TE"
+    ]
 
 
 class _Backup:
@@ -315,11 +436,12 @@ class _Backup:
     def __init__(self, target):
         self.target = target
         self.dir = target.root / target.subtree / BACKUP_DIR
-        self.state = None
+        self.state = self.meta = None
         try:
-            state = json.loads((self.dir / STATE_FILE).read_text(encoding="utf-8"))["files"]
+            meta = json.loads((self.dir / STATE_FILE).read_text(encoding="utf-8"))
+            state = meta["files"]
             if all(self.original(rel, state) is not None for rel in state):
-                self.state = state
+                self.state, self.meta = state, meta
         except (OSError, ValueError, KeyError, TypeError):
             pass  # none, or not complete: no file was replaced after it
 
@@ -358,9 +480,10 @@ class _Backup:
             }
             for rel in originals
         }
-        text = json.dumps({"files": state}, indent=1, sort_keys=True) + "\n"
+        meta = {"files": state, "te_version": te_version(self.target)}
+        text = json.dumps(meta, indent=1, sort_keys=True) + "\n"
         write_file(self.dir / STATE_FILE, text.encode("utf-8"), 0o644)
-        self.state = state
+        self.state, self.meta = state, meta
 
     def remove(self):
         """Forget the originals: the state file first, then the rest."""
@@ -420,12 +543,17 @@ def apply(target):
     originals were saved, so an interrupted apply is completed by the next one."""
     if target.kind == "checkout":
         return _apply_checkout(target)
+    target.refuse_leftover()
     _remove_stale_files(target)
-    relevant = relevant_patches(target)
     backup = _Backup(target)
     saved = backup.states()
+    if saved and set(saved.values()) == {"original"}:
+        # Saved, but no file is patched: TE was reinstalled since, or an apply stopped before
+        # it replaced a file. Nothing to complete: start afresh.
+        backup.remove()
+        saved = None
     if saved and "other" not in saved.values():
-        results, contents, other = _against_saved(target, relevant, backup, saved)
+        results, contents, other = _against_saved(target, backup, saved)
         if other:
             return _replace_other_version(target, results)
         todo = [rel for rel, state in saved.items() if state == "original"]
@@ -439,7 +567,11 @@ def apply(target):
         return "already applied; nothing to do"
     if overall == DRIFTED:
         raise ToolError(_drift_message(target, rows, "apply"))
+    found = te_version(target)
+    if older_than_supported(found):
+        raise ToolError(_drift_message(target, rows, "apply"))
     # Not applied, or the first patches only: the files before and after the whole series.
+    relevant = relevant_patches(target)
     applied = _applied_count(rows, relevant)
     originals, contents = {}, {}
     simulate(target, relevant[:applied][::-1], "-R", contents=originals)
@@ -469,13 +601,16 @@ def apply(target):
     done = f"applied {len(relevant) - applied} patch(es) to {target.subtree}/"
     if applied:
         done += f" (the first {applied} were applied already)"
+    if saved:
+        done += " (TE was reinstalled or upgraded since the last apply: saved its files afresh)"
     return done + _version_note(target)
 
 
-def _against_saved(target, relevant, backup, saved):
+def _against_saved(target, backup, saved):
     """This version of the series applied to the saved originals: (git apply's results, the
     files after it, whether the target carries another version of the series)."""
     originals = {rel: backup.original(rel) for rel in saved}
+    relevant = relevant_patches(target, originals=originals)
     contents = {}
     results = simulate(target, relevant, originals=originals, contents=contents)
     other = set(contents) != set(saved) or any(
@@ -493,8 +628,7 @@ def other_version(target):
     saved = backup.states()
     if not saved or "other" in saved.values():
         return False
-    relevant = relevant_patches(target)
-    results, _, other = _against_saved(target, relevant, backup, saved)
+    results, _, other = _against_saved(target, backup, saved)
     return other and _all_apply(results)
 
 
@@ -555,11 +689,19 @@ def revert(target):
     patches = patch_files()
     if target.kind == "checkout":
         return _revert_checkout(target, patches)
+    if target.leftover:
+        shutil.rmtree(target.root / target.subtree / BACKUP_DIR)
+        if not any((target.root / target.subtree).iterdir()):
+            (target.root / target.subtree).rmdir()
+        return (
+            f"TE is not installed here; removed the original files that apply had saved, left "
+            f"behind in {target.subtree}/{BACKUP_DIR}/ when TE was uninstalled"
+        )
     _remove_stale_files(target)
-    relevant = relevant_patches(target, patches)
     backup = _Backup(target)
     saved = backup.states()
     if saved and "other" not in saved.values():
+        relevant = relevant_patches(target, originals={rel: backup.original(rel) for rel in saved})
         todo = [rel for rel, state in saved.items() if state == "patched"]
         originals = {rel: backup.original(rel) for rel in todo}
         modes = {rel: backup.state[rel]["mode"] for rel in todo}
@@ -578,10 +720,17 @@ def revert(target):
         )
     rows, overall = status(target)
     if overall == NOT_APPLIED:
+        if saved:  # of a TE that was reinstalled or upgraded since: they restore nothing now
+            shutil.rmtree(backup.dir)
+            return (
+                "not applied (TE was reinstalled or upgraded since the last apply); removed the "
+                "original files saved then"
+            )
         return "not applied; nothing to do"
     if overall == DRIFTED:
         raise ToolError(_drift_message(target, rows, "revert"))
     # Applied, or the first patches only, without saved originals: reverse what is applied.
+    relevant = relevant_patches(target)
     applied = _applied_count(rows, relevant)
     contents = {}
     simulate(target, relevant[:applied][::-1], "-R", contents=contents)
@@ -631,22 +780,97 @@ def _subject(patch):
 
 def _drift_message(target, rows, action):
     pin, found = load_pin(), te_version(target)
-    if found is not None and found != pin["version"]:
-        lead = f"found TE {found} at {target.root}; this series is made for TE {pin['version']}"
-        advice = (
-            f"install TE {pin['version']} (pip install 'transformer_engine[pytorch]=="
-            f"{pin['version']}') and run {action} again"
+    oldest, pinned = supported_range()
+    supported = f"TE {oldest} to {pinned}" if oldest != pinned else f"TE {pinned}"
+    pip = f"{target.python or 'python'} -m pip install"
+    if older_than_supported(found):
+        lead = (
+            f"found TE {found} at {target.root}; this series supports {supported} (made and "
+            f"tested for {pinned}): the FusedAdam code it builds on differs in older releases"
         )
+    elif found is not None and found != pinned:
+        lead = f"found TE {found} at {target.root}; this series is made for TE {pinned}"
     else:
-        lead = f"{target} has drifted from what the series expects (TE {pin['version']})"
-        advice = (
-            f"its files were changed by something else: reinstall TE {pin['version']} "
-            f"(pip install --force-reinstall --no-deps 'transformer_engine=={pin['version']}')"
-            f" and run {action} again"
-        )
+        lead = f"{target} has drifted from what the series expects (TE {pinned})"
     if target.kind == "checkout":
         advice = f"check out the pinned main commit {pin['main']['commit']} and run {action} again"
+    elif target.kind == "tree":
+        advice = (
+            f"put the files of a supported TE ({supported}) there, unchanged (e.g. unpack its "
+            f"release wheel), or point at such a tree, and run {action} again"
+        )
+    elif found is not None and found != pinned:
+        advice = (
+            f"install TE {pinned} ({pip} 'transformer_engine[pytorch]=={pinned}') and run "
+            f"{action} again"
+        )
+    else:
+        advice = (
+            f"its files were changed by something else: reinstall TE {pinned} ({pip} "
+            f"--force-reinstall --no-deps 'transformer_engine=={pinned}') and run {action} again"
+        )
     lines = [f"cannot {action}: {lead}"]
-    lines += [f"  {name}: {state} {detail}".rstrip() for name, state, detail in rows]
+    lines += [
+        f"  {name}: {state}" + (f" ({detail})" if detail else "") for name, state, detail in rows
+    ]
     lines.append(f"What to do: {advice}.")
     return "\n".join(lines)
+
+
+def dry_run(target):
+    """(what apply would say, the unified diff of what it would change): apply runs on a
+    scratch copy of the files it reads; the target is not touched."""
+    if target.kind == "checkout":
+        rows, overall = status(target)
+        if overall == APPLIED:
+            return "already applied; nothing to do", ""
+        if overall == DRIFTED:
+            raise ToolError(_drift_message(target, rows, "apply"))
+        contents = {}
+        simulate(target, patch_files(), contents=contents)
+        return f"would apply {len(patch_files())} patches as commits with git am", _diff(
+            target.root, contents
+        )
+    target.refuse_leftover()
+    with tempfile.TemporaryDirectory() as tmp:
+        scratch = Path(tmp)
+        package = target.root / target.subtree
+        reads = {rel for p in patch_files() + compat_patches() for rel in _touched(p, target)}
+        reads.add(f"{target.subtree}/__init__.py")
+        reads.update(str(m.relative_to(target.root)) for m in target.root.glob("*.dist-info/*"))
+        for rel in reads:
+            if (target.root / rel).is_file():
+                (scratch / rel).parent.mkdir(parents=True, exist_ok=True)
+                shutil.copy2(target.root / rel, scratch / rel)
+        (scratch / target.subtree).mkdir(parents=True, exist_ok=True)
+        if (package / BACKUP_DIR).is_dir():
+            shutil.copytree(package / BACKUP_DIR, scratch / target.subtree / BACKUP_DIR)
+        copy = Target(scratch, target.kind, target.python)
+        try:
+            message = apply(copy).replace(str(copy.root), str(target.root))
+        except ToolError as exc:
+            raise type(exc)(str(exc).replace(str(copy.root), str(target.root))) from None
+        touched = {rel for p in patch_files() + compat_patches() for rel in _touched(p, copy)}
+        contents = {
+            rel: (scratch / rel).read_bytes() for rel in touched if (scratch / rel).is_file()
+        }
+        return message, _diff(target.root, contents)
+
+
+def _diff(root, contents):
+    """A unified diff (a/ and b/ paths) from the files under `root` to `contents`."""
+    out = []
+    for rel, data in sorted(contents.items()):
+        path = Path(root) / rel
+        before = path.read_bytes() if path.is_file() else b""
+        if before == data:
+            continue
+        out.extend(
+            difflib.unified_diff(
+                before.decode("utf-8").splitlines(keepends=True),
+                data.decode("utf-8").splitlines(keepends=True),
+                f"a/{rel}",
+                f"b/{rel}",
+            )
+        )
+    return "".join(out)

@@ -10,7 +10,7 @@ import tempfile
 import zipfile
 from pathlib import Path
 
-from .errors import ToolError
+from .errors import NeedsError, ToolError
 from .paths import data_file
 
 
@@ -74,7 +74,7 @@ def download_wheel(package, version, dest):
     found = list(dest.glob(f"{package}-{version}-py3-none-any.whl"))
     if result.returncode != 0 or not found:
         tail = "\n".join((result.stderr or result.stdout).strip().splitlines()[-5:])
-        raise ToolError(
+        raise NeedsError(
             f"could not download {package}=={version} (a py3-none-any wheel) from the package "
             f"index; is the network reachable? pip said:\n{tail}"
         )

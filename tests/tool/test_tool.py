@@ -102,13 +102,13 @@ def test_apply_is_idempotent_and_revert_restores_pristine_bytes(tree, pristine):
     t = target.find_target(tree)
     assert t.kind == "tree"
     assert target.status(t)[1] == target.NOT_APPLIED
-    assert target.file_report(t) == [(FUSED_ADAM, "pristine 2.20.2")]
+    assert target.file_report(t) == [(FUSED_ADAM, "as released in TE 2.20.2")]
     count = len(_release_patches(t))
     assert count == 3  # the export, the load, the docstring fix
 
     assert f"applied {count} patch" in target.apply(t)
     assert target.status(t)[1] == target.APPLIED
-    assert target.file_report(t) == [(FUSED_ADAM, "patched by this series")]
+    assert target.file_report(t) == [(FUSED_ADAM, "TE 2.20.2's, patched by this series")]
     assert "state_dict_cpu_offload" in (tree / FUSED_ADAM).read_text(encoding="utf-8")
     assert target.apply(t) == "already applied; nothing to do"
 
@@ -151,7 +151,7 @@ def test_apply_replaces_another_version_of_the_series(tree, pristine):
     assert message.startswith("replaced another version of the series (reverted")
     assert "applied 3 patch(es)" in message
     assert target.status(t)[1] == target.APPLIED
-    assert target.file_report(t) == [(FUSED_ADAM, "patched by this series")]
+    assert target.file_report(t) == [(FUSED_ADAM, "TE 2.20.2's, patched by this series")]
     assert target.apply(t) == "already applied; nothing to do"
     target.revert(t)
     assert _same_tree(tree / "transformer_engine", pristine / "transformer_engine")
@@ -210,7 +210,13 @@ def test_drifted_target_is_reported_and_left_unchanged(tree):
     detail = [d for _, s, d in rows if s == target.DRIFTED][0]
     first_hunk = next(iter(series.hunk_headers(series.patch_files()[0]).values()))
     assert FUSED_ADAM in detail and first_hunk in detail
-    assert target.file_report(t) == [(FUSED_ADAM, "differs from both")]
+    assert target.file_report(t) == [
+        (
+            FUSED_ADAM,
+            "neither as released in TE 2.20.2 nor as this series patches that: edited, patched "
+            "by something else, or of a release that the series does not apply to",
+        )
+    ]
     with pytest.raises(ToolError, match="drifted"):
         target.apply(t)
     with pytest.raises(ToolError, match="drifted"):
@@ -318,7 +324,7 @@ def test_checkout_gets_the_series_as_commits(tree, monkeypatch):
 def tool_home(tmp_path_factory):
     """The tool and its series without the repository's materialized transformer_engine/."""
     home = tmp_path_factory.mktemp("tool")
-    for name in ("build_tools", "patches"):
+    for name in ("build_tools", "patches", "compat"):
         shutil.copytree(REPO / name, home / name, ignore=shutil.ignore_patterns("__pycache__"))
     for name in ("series.toml", "upstream.json"):
         shutil.copyfile(REPO / name, home / name)
@@ -367,7 +373,7 @@ def test_installed_target_inside_an_unrelated_git_repo(tree, tmp_path, tool_home
 
 def test_no_installed_te_is_a_clear_error(tmp_path, tool_home):
     result = _run_cli(["status", "--installed"], tmp_path, tmp_path, tool_home)
-    assert result.returncode == 1
+    assert result.returncode == 3
     assert "transformer_engine is not installed" in result.stderr
 
 
@@ -396,7 +402,7 @@ def test_partly_applied_target_is_completed_or_reverted(tree, pristine, way_out)
     assert cli.main(["check", str(tree)]) == 0
     if way_out == "apply":
         assert "the first 1 were applied already" in target.apply(t)
-        assert target.file_report(t) == [(FUSED_ADAM, "patched by this series")]
+        assert target.file_report(t) == [(FUSED_ADAM, "TE 2.20.2's, patched by this series")]
     target.revert(t)
     assert _same_tree(tree / "transformer_engine", pristine / "transformer_engine")
 
@@ -771,17 +777,20 @@ def _site_of_release(version, tmp_path):
     return site
 
 
-def test_other_te_version_that_conflicts_is_named(tmp_path):
-    site = _site_of_release("2.16.0", tmp_path)
+def test_release_older_than_supported_is_refused_with_the_range(tmp_path):
+    site = _site_of_release("2.13.0", tmp_path)
     before = (site / FUSED_ADAM).read_bytes()
     pin = upstream.load_pin()["version"]
     for command in ("apply", "status", "check"):
         result = _cli([command, str(site)])
         assert result.returncode == 1, command
     result = _cli(["apply", str(site)])
-    assert f"found TE 2.16.0 at {site}; this series is made for TE {pin}" in result.stderr
+    assert (
+        f"found TE 2.13.0 at {site}; this series supports TE 2.14.0 to {pin} (made and tested "
+        f"for {pin}): the FusedAdam code it builds on differs in older releases"
+    ) in result.stderr
     assert f"{FUSED_ADAM}: hunk" in result.stderr
-    assert f"What to do: install TE {pin}" in result.stderr
+    assert "What to do: put the files of a supported TE (TE 2.14.0 to" in result.stderr
     assert (site / FUSED_ADAM).read_bytes() == before
 
 
@@ -810,7 +819,7 @@ def test_status_and_check_exit_codes(tree):
 
 def test_missing_git_is_one_line(tree):
     result = _cli(["status", str(tree)], PATH="/nonexistent")
-    assert result.returncode == 1
+    assert result.returncode == 4
     assert result.stderr.strip().splitlines() == [
         "te-fusedadam-offload status: error: git is needed but was not found on PATH; install git"
     ]
@@ -831,5 +840,5 @@ def test_closed_pipe_ends_quietly(tree):
 
 def test_the_package_directory_itself_gets_a_hint(tree):
     result = _cli(["status", str(tree / "transformer_engine")])
-    assert result.returncode == 1
+    assert result.returncode == 3
     assert f"pass the directory that holds it, {tree}" in result.stderr
