@@ -413,8 +413,10 @@ def build_parser():
         group.add_argument(
             "--python",
             metavar="PYTHON",
-            help="the TE installed in the environment of this Python interpreter (for a "
-            "tool installed elsewhere, e.g. with pipx): --python /path/to/venv/bin/python",
+            help=(
+                "the TE installed in the environment of this Python interpreter (for a "
+                "tool installed elsewhere, e.g. with pipx): --python /path/to/venv/bin/python"
+            ),
         )
         if name == "apply":
             p.add_argument(

@@ -135,7 +135,7 @@ class Target:
             raise NoTargetError(
                 f"no TE at {self.root}: {self.subtree}/ holds only {BACKUP_DIR}/, the original "
                 "files that apply saved, left behind when TE was uninstalled (pip removes only "
-                f"the files it installed); 'revert' removes it, or: rm -r "
+                "the files it installed); 'revert' removes it, or: rm -r "
                 f"{self.root / self.subtree / BACKUP_DIR}"
             )
 
@@ -694,7 +694,7 @@ def revert(target):
         if not any((target.root / target.subtree).iterdir()):
             (target.root / target.subtree).rmdir()
         return (
-            f"TE is not installed here; removed the original files that apply had saved, left "
+            "TE is not installed here; removed the original files that apply had saved, left "
             f"behind in {target.subtree}/{BACKUP_DIR}/ when TE was uninstalled"
         )
     _remove_stale_files(target)

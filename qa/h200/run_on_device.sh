@@ -3,9 +3,11 @@
 #
 # See LICENSE for license information.
 #
-# Run the GPU tier on a bare GPU machine that has torch but no TransformerEngine: install real
-# TE from a kit (see CONTRIBUTING.md), patch it with the series, run the chosen stages.
-#   usage: TE_PATH=te-main qa/h200/run_on_device.sh KIT_DIR LOG_DIR STAGE...
+# Run the GPU tier on a GPU machine: install real TE from a kit (see CONTRIBUTING.md), or use
+# the TE that python3 imports (KIT_DIR "-"), patch it with the series, run the chosen stages.
+#   usage: TE_PATH=te-main qa/h200/run_on_device.sh KIT_DIR|- LOG_DIR STAGE...
+# A kit is a directory with an install.sh that installs TE offline: bash install.sh KIT SITE
+# puts an importable transformer_engine (with its torch extension) under SITE.
 # With STACK_PREFIX=N, only the first N pull requests of the stack are applied to the installed
 # TE (with git apply; a later run without it completes the series with the tool), and TE_PATH
 # should hold TE's test files as those pull requests leave them.
@@ -24,7 +26,10 @@ export PYTHONUNBUFFERED=1
 # NVLink multicast stays off on shared hosts.
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 SITE=/tmp/te-site
-if ! PYTHONPATH=$SITE python3 -c "import transformer_engine.pytorch" >/dev/null 2>&1; then
+if [ "$KIT" = - ]; then  # the TE that python3 imports, where it is installed
+    SITE=$(cd / && python3 -c "import importlib.util, os; s = importlib.util.find_spec('transformer_engine'); print(os.path.dirname(list(s.submodule_search_locations)[0]))") \
+        || { echo "KIT_DIR is -, but python3 finds no transformer_engine"; exit 1; }
+elif ! PYTHONPATH=$SITE python3 -c "import transformer_engine.pytorch" >/dev/null 2>&1; then
     start=$(date +%s)
     bash "$KIT/install.sh" "$KIT" "$SITE" >>"$LOG/setup.log" 2>&1 || { tail -40 "$LOG/setup.log"; exit 1; }
     echo "TE installed in $(( $(date +%s) - start )) s"

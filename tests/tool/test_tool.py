@@ -213,8 +213,10 @@ def test_drifted_target_is_reported_and_left_unchanged(tree):
     assert target.file_report(t) == [
         (
             FUSED_ADAM,
-            "neither as released in TE 2.20.2 nor as this series patches that: edited, patched "
-            "by something else, or of a release that the series does not apply to",
+            (
+                "neither as released in TE 2.20.2 nor as this series patches that: edited, patched "
+                "by something else, or of a release that the series does not apply to"
+            ),
         )
     ]
     with pytest.raises(ToolError, match="drifted"):
@@ -458,6 +460,9 @@ def test_refresh_check_without_main_checks_all_but_the_main_diffs(no_main_tree, 
     assert cli.main(["refresh", "--check"]) == 0
     out = capsys.readouterr().out
     assert "patches/ is up to date" in out
+    assert out.rstrip().endswith(
+        "their commit messages and every other diff were regenerated and match"
+    )
     assert "SKIPPED: the diffs of" in out and "tests/pytorch/test_fused_optimizer.py" in out
 
 
@@ -788,7 +793,8 @@ def test_release_older_than_supported_is_refused_with_the_range(tmp_path):
     assert (
         f"found TE 2.13.0 at {site}; this series supports TE 2.14.0 to {pin} (made and tested "
         f"for {pin}): the FusedAdam code it builds on differs in older releases"
-    ) in result.stderr
+        in result.stderr
+    )
     assert f"{FUSED_ADAM}: hunk" in result.stderr
     assert "What to do: put the files of a supported TE (TE 2.14.0 to" in result.stderr
     assert (site / FUSED_ADAM).read_bytes() == before
@@ -842,3 +848,208 @@ def test_the_package_directory_itself_gets_a_hint(tree):
     result = _cli(["status", str(tree / "transformer_engine")])
     assert result.returncode == 3
     assert f"pass the directory that holds it, {tree}" in result.stderr
+
+
+def _listing(root):
+    return sorted(str(p.relative_to(root)) for p in Path(root).rglob("*"))
+
+
+@pytest.mark.skipif(sys.prefix == sys.base_prefix, reason="the tool's tests run outside a venv")
+def test_cpu_tier_leaves_the_active_venv_untouched(tmp_path):
+    """With a user's virtualenv active, the CPU tier sets up and uses its own venv (here the
+    one these tests run in, as from .ci/run) and installs nothing into the active one."""
+    active = tmp_path / "training-venv"
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(active)], check=True)
+    before = _listing(active)
+    env = dict(
+        os.environ,
+        VIRTUAL_ENV=str(active),
+        PATH=f"{active / 'bin'}{os.pathsep}{os.environ['PATH']}",
+        CPU_TIER_VENV=sys.prefix,
+    )
+    result = subprocess.run(
+        ["bash", str(REPO / "qa" / "cpu_tier.sh"), "--setup-only"],
+        env=env,
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip().splitlines()[-1] == str(Path(sys.prefix) / "bin" / "python")
+    assert _listing(active) == before
+
+
+def test_exit_status_tells_no_target_from_no(tree, tmp_path):
+    """3: nothing to work on where named; 4: something the tool needs is missing; 1: the
+    answer is no (not applied, drifted)."""
+    (tmp_path / "file").write_text("")
+    for args in (
+        ["status", str(tmp_path / "missing")],
+        ["apply", str(tmp_path / "file")],
+        ["check", str(tmp_path)],  # no transformer_engine/ in it
+    ):
+        result = _cli(args)
+        assert result.returncode == 3, (args, result.stderr)
+        assert len(result.stderr.strip().splitlines()) == 1
+    result = _cli(["status", "--python", str(tmp_path / "no-python")])
+    assert result.returncode == 4 and "cannot run the Python" in result.stderr
+    assert _cli(["status", str(tree)]).returncode == 1
+    _drift_context(tree)
+    assert _cli(["apply", str(tree)]).returncode == 1
+
+
+def test_help_lists_the_user_commands_first():
+    out = _cli(["--help"]).stdout
+    listed = re.findall(r"^    (\S+)", out, re.MULTILINE)
+    assert listed[:4] == ["apply", "status", "check", "revert"]
+    for name in ("fetch", "materialize", "refresh", "drift", "check-main", "lint", "pr"):
+        assert re.search(rf"^    {name}\s+\[maintainers\]", out, re.MULTILINE), name
+    assert "exit status:" in out and "  3  no TE where named" in out
+
+
+def test_drift_message_keeps_its_parentheses_and_fits_a_directory(tree):
+    _drift_context(tree)
+    message = _cli(["apply", str(tree)]).stderr
+    assert ": not checked (an earlier patch does not apply)" in message
+    assert ": not for this target (tests and docs go to source checkouts only)" in message
+    assert "pip install" not in message  # a directory, not an installed TE
+    assert "What to do: put the files of a supported TE" in message
+
+
+def test_status_json(tree):
+    assert _cli(["apply", str(tree)]).returncode == 0
+    result = _cli(["status", "--json", str(tree)])
+    assert result.returncode == 0
+    report = json.loads(result.stdout)
+    assert report["status"] == "applied" and report["kind"] == "tree"
+    assert report["target"] == str(tree.resolve())
+    assert report["series_for"] == upstream.load_pin()["version"]
+    states = {row["patch"]: row["state"] for row in report["patches"]}
+    assert list(states.values()).count("applied") == 3
+    assert report["files"] == [{"path": FUSED_ADAM, "state": "TE 2.20.2's, patched by this series"}]
+    assert report["notes"] == []
+
+
+def test_apply_dry_run_shows_the_diff_and_changes_nothing(tree, tmp_path):
+    before = _listing(tree), (tree / FUSED_ADAM).read_bytes()
+    result = _cli(["apply", "--dry-run", str(tree)])
+    assert result.returncode == 0, result.stderr
+    assert (_listing(tree), (tree / FUSED_ADAM).read_bytes()) == before
+    diff, _, summary = result.stdout.rpartition("dry run: ")
+    assert summary.startswith(f"tree TE at {tree.resolve()}: applied 3 patch(es)")
+    assert summary.rstrip().endswith("; nothing was changed")
+    # The diff is what apply writes: applied to a copy, it gives the same bytes.
+    copy = tmp_path / "copy"
+    shutil.copytree(tree, copy)
+    (tmp_path / "dry.diff").write_text(diff)
+    _git(["apply", str(tmp_path / "dry.diff")], copy)
+    assert _cli(["apply", str(tree)]).returncode == 0
+    assert (copy / FUSED_ADAM).read_bytes() == (tree / FUSED_ADAM).read_bytes()
+    result = _cli(["apply", "--dry-run", str(tree)])
+    assert (
+        result.stdout
+        == f"dry run: tree TE at {tree.resolve()}: already applied; nothing "
+        "to do; nothing was changed\n"
+    )
+
+
+@pytest.mark.parametrize("version", ["2.14.0", "2.16.1"])
+def test_releases_before_2_17_get_the_compat_patch_first(tmp_path, version):
+    """TE 2.14.0 to 2.16.1 (the ends of the range; drift covers each release): the compat
+    patch, then the series; revert gives back the release's exact bytes."""
+    site = _site_of_release(version, tmp_path)
+    before = (site / FUSED_ADAM).read_bytes()
+    t = target.find_target(site)
+    assert [series.patch_label(p) for p in target.relevant_patches(t)][0].startswith("compat/")
+    assert "applied 4 patch(es)" in target.apply(t)
+    rows, overall = target.status(t)
+    assert overall == target.APPLIED and rows[0][:2] == ("compat/te-2.14.0-2.16.1.patch", "applied")
+    patched = (site / FUSED_ADAM).read_text(encoding="utf-8")
+    compile(patched, FUSED_ADAM, "exec")
+    assert "from ..constants import DType, TE_DType_To_Torch\n" in patched
+    assert target.file_report(t, overall) == [
+        (FUSED_ADAM, f"TE {version}'s, patched by this series")
+    ]
+    target.revert(t)
+    assert (site / FUSED_ADAM).read_bytes() == before
+
+
+def test_drift_goes_on_past_a_release_it_cannot_download(capsys):
+    code = cli.main(["drift", "0.0.1", "2.16.1", "2.13.0"])
+    out = capsys.readouterr().out
+    assert code == 1  # 2.13.0 conflicts
+    assert "transformer_engine 0.0.1:\n  download: not checked (could not download" in out
+    assert "  compat/te-2.14.0-2.16.1.patch: applies cleanly" in out
+    assert "2.13.0" in out and "note: older than the releases the series supports" in out
+    assert cli.main(["drift", "0.0.1", "2.16.1"]) == 4
+
+
+def _venv_with_te(root, version):
+    """A real virtualenv (with pip) where TE `version` is installed from its release wheel."""
+    subprocess.run([sys.executable, "-m", "venv", str(root)], check=True)
+    _pip(root, "install", "--no-deps", "--no-index", str(_wheel(version)))
+    return root / "bin" / "python"
+
+
+def _wheel(version):
+    return upstream.download_wheel("transformer_engine", version, upstream.cache_dir() / "wheels")
+
+
+def _pip(venv, *args):
+    subprocess.run(
+        [str(venv / "bin" / "python"), "-m", "pip", "-q", *args],
+        check=True,
+        env=dict(os.environ, PIP_DISABLE_PIP_VERSION_CHECK="1"),
+    )
+
+
+def test_pip_uninstall_reinstall_and_upgrade_of_a_patched_te(tmp_path, tool_home):
+    """--python names another environment's TE. pip uninstall leaves only the saved originals:
+    a clear error (3), and revert removes them; reinstalled, apply applies (nothing was
+    interrupted); upgraded over an apply, status says so and apply applies again."""
+    venv = tmp_path / "venv"
+    python = _venv_with_te(venv, "2.20.2")
+    site = Path(
+        subprocess.run(
+            [str(python), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+            capture_output=True,
+            text=True,
+            check=True,
+        ).stdout.strip()
+    )
+
+    def tool(*args):
+        return _cli([*args, "--python", str(python)], cwd=tmp_path, pythonpath=tool_home)
+
+    result = tool("apply")
+    assert result.returncode == 0 and f"installed TE at {site}: applied 3" in result.stdout
+    _pip(venv, "uninstall", "-y", "transformer_engine")
+    assert _listing(site / "transformer_engine")[0] == target.BACKUP_DIR
+    result = tool("status")
+    assert result.returncode == 3
+    assert "left behind when TE was uninstalled" in result.stderr
+    result = tool("revert")
+    assert (
+        result.returncode == 0
+        and "removed the original files that apply had saved" in result.stdout
+    )
+    assert not (site / "transformer_engine").exists()
+
+    _pip(venv, "install", "--no-deps", "--no-index", str(_wheel("2.20.2")))
+    result = tool("apply")
+    assert result.returncode == 0 and ": applied 3 patch(es)" in result.stdout, result.stdout
+    _pip(venv, "install", "--no-deps", "--no-index", str(_wheel("2.19.0")))
+    result = tool("status")
+    assert result.returncode == 1
+    assert ": not applied\n" in result.stdout
+    assert (
+        "note: the series was applied here and is not now (TE 2.20.2 then, TE 2.19.0 now)"
+        in result.stdout
+    )
+    result = tool("apply")
+    assert "TE was reinstalled or upgraded since the last apply" in result.stdout
+    assert tool("status").returncode == 0
+    assert tool("revert").returncode == 0
+    with zipfile.ZipFile(_wheel("2.19.0")) as zf:
+        assert (site / FUSED_ADAM).read_bytes() == zf.read(FUSED_ADAM)
+    assert not (site / "transformer_engine" / target.BACKUP_DIR).exists()
