@@ -8,11 +8,13 @@
 
 Writes gpu_peak_vs_total.png, gpu_peak_vs_largest.png and throughput.png for the export
 modes and, if the run has load modes, load.png, each with the command that regenerates it in
-its footer. For a run of benchmark_dcp_checkpoint.py, dcp_checkpoint.png.
+its footer. For a run of benchmark_dcp_checkpoint.py, dcp_checkpoint.png; for one of
+benchmark_checkpoint_stall.py, checkpoint_stall.png.
 """
 
 import argparse
 import json
+import statistics
 from pathlib import Path
 
 import matplotlib
@@ -34,7 +36,7 @@ def load(path):
     with open(path, encoding="utf-8") as f:
         for line in f:
             row = json.loads(line)
-            if "mode" in row:
+            if "mode" in row or "variant" in row:
                 rows.append(row)
     return rows
 
@@ -229,6 +231,50 @@ def plot_dcp(rows, source, out):
     fig.savefig(out / "dcp_checkpoint.png", dpi=120)
 
 
+STALL_LABELS = {
+    "async_save": "dcp.async_save, its own staging",
+    "default_stager": "DefaultStager, async staging, new per checkpoint",
+    "te_stager": "CheckpointStager (pass-through, reused pinned model buffers)",
+    "te_stager_async": "CheckpointStager(async_staging=True)",
+}
+
+
+def plot_stall(rows, source, out):
+    """benchmark_checkpoint_stall.py: stall per consecutive checkpoint, one panel per
+    iteration length, a line per variant and mode."""
+    lengths = [x for x in ("short", "long") if any(r["iteration"] == x for r in rows)]
+    fig, axes = plt.subplots(1, len(lengths), figsize=(6 * len(lengths), 4.5), squeeze=False)
+    for ax, length in zip(axes[0], lengths):
+        sel = [r for r in rows if r["iteration"] == length]
+        for i, (variant, label) in enumerate(STALL_LABELS.items()):
+            for offload, style in ((False, "--"), (True, "-")):
+                pts = sorted(
+                    (r["n"], r["stall_s"])
+                    for r in sel
+                    if r["variant"] == variant and r["offload"] == offload
+                )
+                if pts:
+                    mode = "option" if offload else "default"
+                    ax.plot(*zip(*pts), style, marker="o", color=f"C{i}", label=f"{label}, {mode}")
+        iteration = statistics.median(r["iteration_s"] for r in sel)
+        ax.set_title(f"{length} iteration ({iteration:.2f} s)", fontsize=9)
+        ax.set_xlabel("checkpoint (consecutive)")
+        ax.set_ylabel("stall: extra seconds of the iteration after it")
+        ax.set_ylim(bottom=0)
+        ax.axhline(0.5, color="gray", linewidth=0.5)
+        ax.xaxis.get_major_locator().set_params(integer=True)
+    axes[0][0].legend(fontsize=6)
+    first = rows[0]
+    fig.suptitle(
+        f"Checkpoint stall, FSDP2 + DCP async_save, {first['world_size']}x {first['gpu']}, "
+        f"2^{first['local_log2']} BF16 parameter elements per rank, BF16 moments, FP32 master",
+        fontsize=9,
+    )
+    fig.subplots_adjust(bottom=0.2)
+    _footer(fig, source, f"torch {first['torch']}, TE {first['te']}, {first['cpus']} CPUs")
+    fig.savefig(out / "checkpoint_stall.png", dpi=120)
+
+
 def main():
     """Parse arguments, write the figures."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -238,6 +284,10 @@ def main():
     rows = load(args.jsonl)
     out = Path(args.out) if args.out else Path(args.jsonl).parent
     out.mkdir(parents=True, exist_ok=True)
+    if "variant" in rows[0]:
+        plot_stall(rows, args.jsonl, out)
+        print(f"wrote {out}/checkpoint_stall.png")
+        return
     if "step" in rows[0]:
         plot_dcp(rows, args.jsonl, out)
         print(f"wrote {out}/dcp_checkpoint.png")

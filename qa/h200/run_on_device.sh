@@ -11,7 +11,9 @@
 # With STACK_PREFIX=N, only the first N pull requests of the stack are applied to the installed
 # TE (with git apply; a later run without it completes the series with the tool), and TE_PATH
 # should hold TE's test files as those pull requests leave them.
-#   stages: single  dist  bench  bench_omp1  export  nightly  dcp  dcp_oom
+#   stages: single  dist  bench  bench_omp1  export  nightly  dcp  dcp_oom  stall  stager
+# (stall: the checkpoint stall benchmark on all GPUs, STALL_ARGS its arguments; stager: the GPU
+# tests of te_fusedadam_offload.staging on all GPUs)
 # The test files are TE's, as the series changes them, from TE_PATH (default te-main, the
 # patched upstream main tree of 'python -m build_tools materialize --source ...'; carry its
 # tests/pytorch to the machine). SINGLE_ARGS / DIST_ARGS add pytest arguments (e.g. -k),
@@ -87,6 +89,11 @@ for stage in "$@"; do
             done
         done
         grep -h '^{' "$LOG"/export_*.log >"$LOG/export.jsonl" ;;
+    stall) run stall timeout ${STALL_TIMEOUT:-900} python3 -m torch.distributed.run --standalone \
+        --nproc_per_node=$NGPUS benchmarks/fused_adam_state_dict/benchmark_checkpoint_stall.py \
+        --out "$LOG/stall.jsonl" ${STALL_ARGS:-} ;;
+    stager) run stager timeout ${STAGER_TIMEOUT:-600} python3 -m torch.distributed.run --standalone \
+        --nproc_per_node=$NGPUS -m pytest -q -rs tests/staging ;;
     nightly) run nightly env XML_LOG_DIR="$LOG" TE_PATH="$TE_PATH" bash qa/L1_pytorch_fused_adam_state_dict_offload/test.sh ;;
     *) echo "unknown stage $stage"; status=1 ;;
     esac

@@ -1,0 +1,275 @@
+# Copyright (c) 2022-2026, NVIDIA CORPORATION & AFFILIATES. All rights reserved.
+#
+# See LICENSE for license information.
+
+"""The checkpoint stall that training sees, over consecutive checkpoints.
+
+  torchrun --nproc_per_node=N benchmark_checkpoint_stall.py --local-log2 29 --out stall.jsonl
+
+Per rank: 2^local-log2 BF16 parameter elements (square bias-free Linear layers of
+2^largest-log2 elements each, sharded with fully_shard), FP32 master weights, BF16 moments,
+FusedAdam with state_dict_cpu_offload False ("default") or True ("offload").
+
+A training iteration is forward + backward over --microbatches micro-batches of --batch rows,
+then optimizer.step(). The stall of a checkpoint is how much later the next iteration ends
+because of it: (the checkpoint + one iteration) - (an iteration without checkpoint, the median
+of --baseline iterations before it), the slowest rank's. Before the next checkpoint the upload
+is waited for (not counted), so that each checkpoint starts alike. Variants:
+
+  async_save       dcp.async_save with its own stager (it stages the whole state dict before
+                   it returns)
+  default_stager   the docs recipe: torch's DefaultStager with asynchronous staging, a new one
+                   per checkpoint, the model state left on the GPU for it; staging_completion
+                   is waited for before optimizer.step()
+  te_stager        te_fusedadam_offload.staging.CheckpointStager (one, reused): the model's GPU
+                   tensors into its pinned buffers, the export's CPU tensors passed through
+  te_stager_async  the same with async_staging=True: the model copies overlap forward and
+                   backward; staging_completion before optimizer.step()
+
+One JSON line per checkpoint (rank 0): variant, offload, iteration ("short"/"long"), n (the
+checkpoint's index), iteration_s, returned_s (until async_save returned), stall_s, and where
+the time went: export_optim_s, export_model_s, async_save_s, wait_staging_s (in the next
+iteration, before step()), uploaded_s (from the start until the upload is done); host memory
+of the rank (rss_gib: after the upload, with the state dict dropped; rss_peak_gib: the
+process's peak so far) and the stager's pinned buffers (pinned_gib).
+"""
+
+import argparse
+import gc
+import json
+import os
+import shutil
+import statistics
+import time
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_optimizer_state_dict,
+)
+
+try:
+    from torch.distributed.fsdp import fully_shard
+except ImportError:  # PyTorch < 2.6
+    from torch.distributed._composable.fsdp import fully_shard
+
+import transformer_engine
+import transformer_engine.pytorch as te
+
+from te_fusedadam_offload.staging import CheckpointStager
+
+GiB = 1024**3
+OFFLOAD = StateDictOptions(cpu_offload=True)
+VARIANTS = ("async_save", "default_stager", "te_stager", "te_stager_async")
+
+
+def _max_over_ranks(value):
+    t = torch.tensor([float(value)], device="cuda")
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return t.item()
+
+
+def _rss_gib():
+    """Resident and peak resident memory of this process (GiB), from /proc."""
+    found = {}
+    with open("/proc/self/status", encoding="ascii") as f:
+        for line in f:
+            key, _, value = line.partition(":")
+            if key in ("VmRSS", "VmHWM"):
+                found[key] = int(value.split()[0]) * 1024 / GiB
+    return found["VmRSS"], found["VmHWM"]
+
+
+def _build(args, offload):
+    torch.manual_seed(1234)
+    width = 2 ** (args.largest_log2 // 2)
+    layers = 2**args.local_log2 * dist.get_world_size() // (width * width)
+    model = torch.nn.Sequential(
+        *[torch.nn.Linear(width, width, bias=False) for _ in range(layers)]
+    ).to(device="cuda", dtype=torch.bfloat16)
+    for layer in model:
+        fully_shard(layer)
+    fully_shard(model)
+    optimizer = te.optimizers.FusedAdam(
+        model.parameters(),
+        lr=1e-4,
+        master_weights=True,
+        exp_avg_dtype=torch.bfloat16,
+        exp_avg_sq_dtype=torch.bfloat16,
+        state_dict_cpu_offload=offload,
+    )
+    return model, optimizer, width
+
+
+class Trainer:
+    """Iterations of a fixed length, with a hook before optimizer.step()."""
+
+    def __init__(self, model, optimizer, width, batch, microbatches):
+        self.model, self.optimizer = model, optimizer
+        self.x = torch.randn(batch, width, device="cuda", dtype=torch.bfloat16)
+        self.microbatches = microbatches
+
+    def iteration(self, before_step=None):
+        """One iteration; returns the seconds that `before_step` took."""
+        for _ in range(self.microbatches):
+            self.model(self.x).float().square().mean().backward()
+        waited = 0.0
+        if before_step is not None:
+            start = time.perf_counter()
+            before_step()
+            waited = time.perf_counter() - start
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        torch.cuda.synchronize()
+        return waited
+
+    def baseline(self, count):
+        """Median seconds of `count` iterations (slowest rank)."""
+        times = []
+        for _ in range(count):
+            dist.barrier()
+            start = time.perf_counter()
+            self.iteration()
+            times.append(_max_over_ranks(time.perf_counter() - start))
+        return statistics.median(times)
+
+
+def _checkpoint_dir(args, name):
+    path = os.path.join(args.ckpt_dir, name)
+    if dist.get_rank() == 0:
+        shutil.rmtree(path, ignore_errors=True)
+    dist.barrier()
+    return path
+
+
+def checkpoint(args, variant, trainer, state_stager, group, path):
+    """One checkpoint and the iteration after it; the row's times (this rank's)."""
+    model, optimizer = trainer.model, trainer.optimizer
+    row = {}
+    torch.cuda.synchronize()
+    dist.barrier()
+    start = time.perf_counter()
+    optim = get_optimizer_state_dict(model, optimizer, options=OFFLOAD)
+    row["export_optim_s"] = time.perf_counter() - start
+    mark = time.perf_counter()
+    on_gpu = variant in ("default_stager", "te_stager", "te_stager_async")
+    state = {
+        "model": get_model_state_dict(model, options=StateDictOptions() if on_gpu else OFFLOAD),
+        "optim": optim,
+    }
+    row["export_model_s"] = time.perf_counter() - mark
+    mark = time.perf_counter()
+    stager = state_stager
+    if variant == "default_stager":
+        from torch.distributed.checkpoint.staging import (  # pylint: disable=import-outside-toplevel
+            DefaultStager,
+            StagingOptions,
+        )
+
+        stager = DefaultStager(
+            StagingOptions(
+                use_pinned_memory=True,
+                use_shared_memory=False,
+                use_async_staging=True,
+                use_non_blocking_copy=True,
+            )
+        )
+    result = dcp.async_save(state, checkpoint_id=path, process_group=group, async_stager=stager)
+    row["async_save_s"] = time.perf_counter() - mark
+    row["returned_s"] = time.perf_counter() - start
+    del state, optim
+    staging = getattr(result, "staging_completion", None)
+    upload = getattr(result, "upload_completion", result)
+    row["wait_staging_s"] = trainer.iteration(staging.result if staging is not None else None)
+    row["total_s"] = time.perf_counter() - start
+    upload.result()
+    row["uploaded_s"] = time.perf_counter() - start
+    if variant == "default_stager":
+        stager.close()
+    del result, upload, staging
+    gc.collect()
+    row["rss_gib"], row["rss_peak_gib"] = _rss_gib()
+    return row
+
+
+def run(args, base, offload):
+    """Every variant and iteration length for one mode."""
+    model, optimizer, width = _build(args, offload)
+    group = dist.new_group(backend="gloo")  # async_save's collectives run in its own thread
+    lengths = {"short": (args.batch, 1), "long": (args.long_batch, args.long_microbatches)}
+    for variant in args.variants:
+        for length in args.iterations:
+            trainer = Trainer(model, optimizer, width, *lengths[length])
+            trainer.baseline(args.warmup)
+            stager = None
+            if variant.startswith("te_stager"):
+                stager = CheckpointStager(async_staging=variant == "te_stager_async")
+            path = _checkpoint_dir(args, f"stall-{variant}")
+            for n in range(args.checkpoints):
+                iteration_s = trainer.baseline(args.baseline)
+                times = checkpoint(args, variant, trainer, stager, group, path)
+                row = dict(
+                    base,
+                    variant=variant,
+                    offload=offload,
+                    iteration=length,
+                    n=n,
+                    iteration_s=round(iteration_s, 4),
+                )
+                for key, value in times.items():
+                    row[key] = round(_max_over_ranks(value), 4)
+                row["stall_s"] = round(row["total_s"] - iteration_s, 4)
+                row["pinned_gib"] = round(stager.cached_bytes() / GiB, 3) if stager else 0.0
+                if dist.get_rank() == 0:
+                    line = json.dumps(row)
+                    print(line, flush=True)
+                    if args.out:
+                        with open(args.out, "a", encoding="utf-8") as f:
+                            f.write(line + "\n")
+            if stager is not None:
+                stager.close()
+            if dist.get_rank() == 0:
+                shutil.rmtree(path, ignore_errors=True)
+            dist.barrier()
+
+
+def main():
+    """Parse arguments, run the modes under torchrun, write the rows."""
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n", maxsplit=1)[0])
+    parser.add_argument("--local-log2", type=int, default=29, help="parameter elements per rank")
+    parser.add_argument("--largest-log2", type=int, default=24, help="elements per layer (even)")
+    parser.add_argument("--checkpoints", type=int, default=3, help="consecutive checkpoints")
+    parser.add_argument("--modes", nargs="+", default=["default", "offload"])
+    parser.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=VARIANTS)
+    parser.add_argument("--iterations", nargs="+", default=["short", "long"])
+    parser.add_argument("--batch", type=int, default=8, help="rows of the short iteration")
+    parser.add_argument("--long-batch", type=int, default=8192)
+    parser.add_argument("--long-microbatches", type=int, default=16)
+    parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--baseline", type=int, default=3)
+    parser.add_argument("--ckpt-dir", default="/tmp/te_checkpoint_stall")
+    parser.add_argument("--out", help="append the JSON lines to this file")
+    args = parser.parse_args()
+    torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
+    dist.init_process_group(backend="cpu:gloo,cuda:nccl")
+    base = {
+        "world_size": dist.get_world_size(),
+        "local_log2": args.local_log2,
+        "gpu": torch.cuda.get_device_name(),
+        "cpus": os.cpu_count(),
+        "torch": torch.__version__,
+        "te": transformer_engine.__version__,
+    }
+    try:
+        for mode in args.modes:
+            run(args, base, mode == "offload")
+            torch.cuda.empty_cache()
+    finally:
+        dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
