@@ -22,7 +22,8 @@ buffers that it keeps for the next checkpoint, and passes CPU tensors through as
     stager.close()  # at the end
 
 This module is a runtime helper of this patch set, not TE code. It implements DCP's public
-``AsyncStager`` protocol and uses no private part of DCP.
+``AsyncStager`` protocol; of DTensor it uses the local tensor and the spec, as DCP's own
+state-dict utilities and ``DTensor.to()`` do, to wrap a CPU copy of a GPU DTensor's shard.
 """
 
 import copy
@@ -103,15 +104,13 @@ class CheckpointStager(AsyncStager):
 
     def _walk(self, value, path, copies):
         if isinstance(value, DTensor):
+            if value._local_tensor.device.type == "cpu":
+                return value
+            # As DTensor.to("cpu") makes it, the same spec (mesh, placements, shape, stride)
+            # around a CPU local tensor, here the cached one. (DTensor.from_local() would move
+            # a CPU local tensor to the mesh's device.)
             local = self._tensor(value._local_tensor, path, copies)
-            return DTensor.from_local(
-                local,
-                value.device_mesh,
-                value.placements,
-                run_check=False,
-                shape=value.shape,
-                stride=value.stride(),
-            )
+            return DTensor(local, value._spec, requires_grad=False)
         if isinstance(value, torch.Tensor):
             return self._tensor(value, path, copies)
         if isinstance(value, dict):

@@ -225,6 +225,37 @@ def test_host_memory_stays_flat_and_buffers_are_reused(ckpt_root):
     assert stager.cached_bytes() == 0
 
 
+@pytest.mark.parametrize("async_staging", [False, True], ids=["sync", "async"])
+def test_staged_model_is_pinned_cpu_with_the_same_spec_and_no_gpu_memory(async_staging):
+    """The model's GPU DTensors come back as CPU DTensors around pinned buffers, with their
+    mesh, placements, shape and stride; the export's CPU DTensors are the same objects; the
+    staging allocates no GPU memory."""
+    model, optimizer = _build()
+    _step(model, optimizer, 0)
+    stager = CheckpointStager(async_staging=async_staging)
+    state = {
+        "model": get_model_state_dict(model),
+        "optim": get_optimizer_state_dict(model, optimizer, options=OFFLOAD),
+    }
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    before = torch.cuda.memory_allocated()
+    staged = stager.stage(state)
+    staged = staged.result() if async_staging else staged
+    torch.cuda.synchronize()
+    assert torch.cuda.max_memory_allocated() == before
+    for name, value in state["model"].items():
+        copy = staged["model"][name]
+        assert isinstance(copy, DTensor) and copy._local_tensor.device.type == "cpu"
+        assert copy._local_tensor.is_pinned()
+        assert copy._spec == value._spec and copy.stride() == value.stride()
+        assert torch.equal(copy._local_tensor, value._local_tensor.cpu())
+    for fqn, states in state["optim"]["state"].items():
+        for name, value in states.items():
+            assert staged["optim"]["state"][fqn][name] is value
+    stager.close()
+
+
 def test_stage_refuses_overlapping_staging_and_use_after_close():
     model, _ = _build()
     stager = CheckpointStager(async_staging=True)
