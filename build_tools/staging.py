@@ -67,7 +67,10 @@ class CheckpointStager(AsyncStager):
         self._cache = {}  # path in the state dict -> pinned CPU tensor
         self._stream = None
         self._executor = ThreadPoolExecutor(max_workers=1) if async_staging else None
-        self._pending = None
+        # Set while no staging is under way. Not the future itself: that holds the staged
+        # state dict (the export too) until the next checkpoint.
+        self._idle = threading.Event()
+        self._idle.set()
         self._lock = threading.Lock()
         self._closed = False
 
@@ -82,25 +85,31 @@ class CheckpointStager(AsyncStager):
         with self._lock:
             if self._closed:
                 raise RuntimeError("CheckpointStager.stage() called after close()")
-            if self._pending is not None and not self._pending.done():
+            if not self._idle.is_set():
                 raise RuntimeError(
                     "CheckpointStager.stage() called while the previous staging is not "
                     "complete; wait for its staging_completion first"
                 )
             copies = []
             staged = self._walk(state_dict, (), copies)
-            if not copies:
+            if not copies or not self._async:
+                if copies:
+                    self._enqueue(copies).synchronize()
+                if not self._async:
+                    return staged
                 done = Future()
                 done.set_result(staged)
-                self._pending = done
-                return done if self._async else staged
+                return done
             event = self._enqueue(copies)
-            if not self._async:
-                event.synchronize()
-                self._pending = None
-                return staged
-            self._pending = self._executor.submit(_wait_for, event, staged)
-            return self._pending
+            self._idle.clear()
+            return self._executor.submit(self._wait_for, event, staged)
+
+    def _wait_for(self, event, staged):
+        try:
+            event.synchronize()
+        finally:
+            self._idle.set()
+        return staged
 
     def _walk(self, value, path, copies):
         if isinstance(value, DTensor):
@@ -156,21 +165,14 @@ class CheckpointStager(AsyncStager):
 
     def synchronize_staging(self):
         """Wait until the last staging is complete (as ``staging_completion`` does)."""
-        if self._pending is not None:
-            self._pending.result()
+        self._idle.wait()
 
     def close(self):
         """Wait for the last staging and free the pinned buffers; the stager cannot stage
         again."""
         with self._lock:
             self._closed = True
-            if self._pending is not None:
-                self._pending.result()
+            self._idle.wait()
             if self._executor is not None:
                 self._executor.shutdown(wait=True)
             self._cache.clear()
-
-
-def _wait_for(event, staged):
-    event.synchronize()
-    return staged

@@ -6,6 +6,7 @@ The series must be applied to the TE that is imported (FusedAdam(state_dict_cpu_
 """
 
 import gc
+import weakref
 import os
 import tempfile
 
@@ -268,3 +269,20 @@ def test_stage_refuses_overlapping_staging_and_use_after_close():
     stager.close()
     with pytest.raises(RuntimeError, match="after close"):
         stager.stage(state)
+
+
+def test_stager_does_not_keep_the_state_dict_after_staging():
+    """Once staged (and uploaded), the state dict is the caller's and DCP's to drop: the
+    stager keeps only its pinned buffers, not the export."""
+    model, optimizer = _build()
+    _step(model, optimizer, 0)
+    for async_staging in (False, True):
+        stager = CheckpointStager(async_staging=async_staging)
+        export = get_optimizer_state_dict(model, optimizer, options=OFFLOAD)
+        probe = weakref.ref(next(iter(next(iter(export["state"].values())).values())))
+        staged = stager.stage({"model": get_model_state_dict(model), "optim": export})
+        staged = staged.result() if async_staging else staged
+        del staged, export
+        gc.collect()
+        assert probe() is None, async_staging
+        stager.close()
