@@ -243,11 +243,11 @@ def plot_stall(rows, source, out):
     """benchmark_checkpoint_stall.py: stall per consecutive checkpoint, one panel per
     iteration length, a line per variant and mode."""
     lengths = [x for x in ("short", "long") if any(r["iteration"] == x for r in rows)]
-    fig, axes = plt.subplots(1, len(lengths), figsize=(6 * len(lengths), 4.5), squeeze=False)
+    fig, axes = plt.subplots(1, len(lengths), figsize=(6 * len(lengths), 6), squeeze=False)
     for ax, length in zip(axes[0], lengths):
         sel = [r for r in rows if r["iteration"] == length]
         for i, (variant, label) in enumerate(STALL_LABELS.items()):
-            for offload, style in ((False, "--"), (True, "-")):
+            for offload, style, marker in ((False, "--", "x"), (True, "-", "o")):
                 pts = sorted(
                     (r["n"], r["stall_s"])
                     for r in sel
@@ -255,7 +255,9 @@ def plot_stall(rows, source, out):
                 )
                 if pts:
                     mode = "option" if offload else "default"
-                    ax.plot(*zip(*pts), style, marker="o", color=f"C{i}", label=f"{label}, {mode}")
+                    ax.plot(
+                        *zip(*pts), style, marker=marker, color=f"C{i}", label=f"{label}, {mode}"
+                    )
         iteration = statistics.median(r["iteration_s"] for r in sel)
         ax.set_title(f"{length} iteration ({iteration:.2f} s)", fontsize=9)
         ax.set_xlabel("checkpoint (consecutive)")
@@ -263,14 +265,15 @@ def plot_stall(rows, source, out):
         ax.set_ylim(bottom=0)
         ax.axhline(0.5, color="gray", linewidth=0.5)
         ax.xaxis.get_major_locator().set_params(integer=True)
-    axes[0][0].legend(fontsize=6)
+    handles, labels = axes[0][0].get_legend_handles_labels()
+    fig.legend(handles, labels, loc="lower center", ncol=2, fontsize=7, bbox_to_anchor=(0.5, 0.06))
     first = rows[0]
     fig.suptitle(
         f"Checkpoint stall, FSDP2 + DCP async_save, {first['world_size']}x {first['gpu']}, "
         f"2^{first['local_log2']} BF16 parameter elements per rank, BF16 moments, FP32 master",
         fontsize=9,
     )
-    fig.subplots_adjust(bottom=0.2)
+    fig.subplots_adjust(bottom=0.38)
     _footer(fig, source, f"torch {first['torch']}, TE {first['te']}, {first['cpus']} CPUs")
     fig.savefig(out / "checkpoint_stall.png", dpi=120)
 
