@@ -73,7 +73,8 @@ def download_wheel(package, version, dest):
     result = subprocess.run(cmd, capture_output=True, text=True, check=False)
     found = list(dest.glob(f"{package}-{version}-py3-none-any.whl"))
     if result.returncode != 0 or not found:
-        tail = "\n".join((result.stderr or result.stdout).strip().splitlines()[-5:])
+        lines = (result.stderr or result.stdout).strip().splitlines()
+        tail = "\n".join([line for line in lines if line.startswith("ERROR:")] or lines[-5:])
         raise NeedsError(
             f"could not download {package}=={version} (a py3-none-any wheel) from the package "
             f"index; is the network reachable? pip said:\n{tail}"

@@ -808,6 +808,12 @@ def test_other_te_version_that_applies_gets_a_note(tmp_path):
     result = _cli(["apply", str(site)])
     assert result.returncode == 0, result.stderr
     assert "note: found TE 2.19.0; the series is made and tested for" in result.stdout
+    # status agrees with apply: this series, on 2.19.0's file (not "another version").
+    result = _cli(["status", str(site)])
+    assert result.returncode == 0
+    assert f"  {FUSED_ADAM}: TE 2.19.0's, patched by this series\n" in result.stdout
+    assert "another version" not in result.stdout
+    assert _cli(["apply", str(site)]).stdout.endswith("already applied; nothing to do\n")
     assert _cli(["revert", str(site)]).returncode == 0
     assert (site / FUSED_ADAM).read_bytes() == before
 
