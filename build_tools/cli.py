@@ -40,6 +40,7 @@ from .target import (
     file_report,
     find_target,
     notes,
+    older_than_supported,
     other_version,
     revert,
     status,
@@ -268,9 +269,13 @@ def cmd_status(args):
 
 def cmd_check(args):
     """Exit 0 if the series is applied or apply would apply it (or complete it, or replace
-    another version of it), 1 if the target drifted."""
+    another version of it), 1 if the target drifted or is a TE older than supported."""
     target = _target(args)
-    if _print_status(target) != DRIFTED:
+    overall = _print_status(target)
+    if overall == NOT_APPLIED and older_than_supported(te_version(target)):
+        print(f"  TE {te_version(target)} is older than the releases the series supports")
+        return 1
+    if overall != DRIFTED:
         return 0
     if other_version(target):
         print("  another version of this series is applied; apply replaces it")
