@@ -40,9 +40,10 @@ __all__ = ["CheckpointStager"]
 class CheckpointStager(AsyncStager):
     """Stage a state dict for ``dcp.async_save`` (pass it as ``async_stager``).
 
-    GPU tensors (also the local shards of DTensors) are copied into pinned CPU tensors that
-    the stager allocates at the first checkpoint and reuses for every later one with the same
-    keys, shapes and dtypes (a changed one is reallocated); DTensors keep their mesh,
+    GPU tensors (also the local shards of DTensors; those of one CUDA device) are copied into
+    pinned CPU tensors that the stager allocates at the first checkpoint and reuses for every
+    later one with the same keys, shapes and dtypes (a changed one is reallocated, one no
+    longer in the state dict freed); DTensors keep their mesh,
     placements, shape and stride. CPU tensors are passed through without a copy: put only CPU
     tensors in the state dict that nothing changes until the checkpoint is written, such as
     the export of ``FusedAdam(state_dict_cpu_offload=True)`` or a ``cpu_offload=True`` model
@@ -92,6 +93,8 @@ class CheckpointStager(AsyncStager):
                 )
             copies = []
             staged = self._walk(state_dict, (), copies)
+            # Buffers of keys that this state dict no longer has are freed.
+            self._cache = {path: self._cache[path] for path, _, _ in copies}
             if not copies or not self._async:
                 if copies:
                     self._enqueue(copies).synchronize()
@@ -141,18 +144,24 @@ class CheckpointStager(AsyncStager):
         if cached is None or cached.shape != tensor.shape or cached.dtype != tensor.dtype:
             cached = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
             self._cache[path] = cached
-        copies.append((cached, tensor))
+        copies.append((path, cached, tensor))
         return cached
 
     def _enqueue(self, copies):
         """Enqueue the device-to-host copies on the side stream, after the work already
         enqueued on the current stream (which may still be writing the sources)."""
-        device = copies[0][1].device
-        if self._stream is None:
+        device = copies[0][2].device
+        for path, _, src in copies:
+            if src.device != device:
+                raise RuntimeError(
+                    "CheckpointStager stages the tensors of one CUDA device per process; "
+                    f"{'/'.join(map(str, path))} is on {src.device}, others on {device}"
+                )
+        if self._stream is None or self._stream.device != device:
             self._stream = torch.cuda.Stream(device=device)
         self._stream.wait_stream(torch.cuda.current_stream(device))
         with torch.cuda.stream(self._stream):
-            for dst, src in copies:
+            for _, dst, src in copies:
                 dst.copy_(src, non_blocking=True)
                 src.record_stream(self._stream)
         event = torch.cuda.Event()

@@ -254,6 +254,12 @@ def test_staged_model_is_pinned_cpu_with_the_same_spec_and_no_gpu_memory(async_s
     for fqn, states in state["optim"]["state"].items():
         for name, value in states.items():
             assert staged["optim"]["state"][fqn][name] is value
+    # A key the next state dict no longer has: its buffer is freed.
+    first = next(iter(state["model"]))
+    del state["model"][first]
+    staged = stager.stage(state)
+    staged = staged.result() if async_staging else staged
+    assert stager.cached_bytes() == sum(v._local_tensor.nbytes for v in state["model"].values())
     stager.close()
 
 
