@@ -51,25 +51,16 @@ from torch.distributed.checkpoint.state_dict import (
     get_optimizer_state_dict,
 )
 
-try:
-    from torch.distributed.fsdp import fully_shard
-except ImportError:  # PyTorch < 2.6
-    from torch.distributed._composable.fsdp import fully_shard
-
 import transformer_engine
-import transformer_engine.pytorch as te
 
 from te_fusedadam_offload.staging import CheckpointStager
 
-GiB = 1024**3
+# The model, the optimizer and the helpers of the DCP benchmark beside this one (run as a
+# script, this folder is on sys.path).
+from benchmark_dcp_checkpoint import GiB, _build, _checkpoint_dir, _max_over_ranks
+
 OFFLOAD = StateDictOptions(cpu_offload=True)
 VARIANTS = ("async_save", "default_stager", "te_stager", "te_stager_async")
-
-
-def _max_over_ranks(value):
-    t = torch.tensor([float(value)], device="cuda")
-    dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    return t.item()
 
 
 def _rss_gib():
@@ -81,27 +72,6 @@ def _rss_gib():
             if key in ("VmRSS", "VmHWM"):
                 found[key] = int(value.split()[0]) * 1024 / GiB
     return found["VmRSS"], found["VmHWM"]
-
-
-def _build(args, offload):
-    torch.manual_seed(1234)
-    width = 2 ** (args.largest_log2 // 2)
-    layers = 2**args.local_log2 * dist.get_world_size() // (width * width)
-    model = torch.nn.Sequential(
-        *[torch.nn.Linear(width, width, bias=False) for _ in range(layers)]
-    ).to(device="cuda", dtype=torch.bfloat16)
-    for layer in model:
-        fully_shard(layer)
-    fully_shard(model)
-    optimizer = te.optimizers.FusedAdam(
-        model.parameters(),
-        lr=1e-4,
-        master_weights=True,
-        exp_avg_dtype=torch.bfloat16,
-        exp_avg_sq_dtype=torch.bfloat16,
-        state_dict_cpu_offload=offload,
-    )
-    return model, optimizer, width
 
 
 class Trainer:
@@ -137,15 +107,7 @@ class Trainer:
         return statistics.median(times)
 
 
-def _checkpoint_dir(args, name):
-    path = os.path.join(args.ckpt_dir, name)
-    if dist.get_rank() == 0:
-        shutil.rmtree(path, ignore_errors=True)
-    dist.barrier()
-    return path
-
-
-def checkpoint(args, variant, trainer, state_stager, group, path):
+def checkpoint(variant, trainer, state_stager, group, path):
     """One checkpoint and the iteration after it; the row's times (this rank's)."""
     model, optimizer = trainer.model, trainer.optimizer
     row = {}
@@ -210,7 +172,7 @@ def run(args, base, offload):
             path = _checkpoint_dir(args, f"stall-{variant}")
             for n in range(args.checkpoints):
                 iteration_s = trainer.baseline(args.baseline)
-                times = checkpoint(args, variant, trainer, stager, group, path)
+                times = checkpoint(variant, trainer, stager, group, path)
                 row = dict(
                     base,
                     variant=variant,
