@@ -271,9 +271,9 @@ def cmd_check(args):
     """Exit 0 if the series is applied or apply would apply it (or complete it, or replace
     another version of it), 1 if the target drifted or is a TE older than supported."""
     target = _target(args)
-    overall = _print_status(target)
-    if overall == NOT_APPLIED and older_than_supported(te_version(target)):
-        print(f"  TE {te_version(target)} is older than the releases the series supports")
+    overall, found = _print_status(target), te_version(target)
+    if overall == NOT_APPLIED and older_than_supported(found):
+        print(f"  TE {found} is older than the releases the series supports")
         return 1
     if overall != DRIFTED:
         return 0

@@ -701,9 +701,10 @@ def revert(target):
     backup = _Backup(target)
     saved = backup.states()
     if saved and "other" not in saved.values():
-        relevant = relevant_patches(target, originals={rel: backup.original(rel) for rel in saved})
+        saved_originals = {rel: backup.original(rel) for rel in saved}
+        relevant = relevant_patches(target, originals=saved_originals)
         todo = [rel for rel, state in saved.items() if state == "patched"]
-        originals = {rel: backup.original(rel) for rel in todo}
+        originals = {rel: saved_originals[rel] for rel in todo}
         modes = {rel: backup.state[rel]["mode"] for rel in todo}
         _write_files(target, originals, modes, "revert")
         try:
@@ -835,8 +836,8 @@ def dry_run(target):
     with tempfile.TemporaryDirectory() as tmp:
         scratch = Path(tmp)
         package = target.root / target.subtree
-        reads = {rel for p in patch_files() + compat_patches() for rel in _touched(p, target)}
-        reads.add(f"{target.subtree}/__init__.py")
+        changed = {rel for p in patch_files() + compat_patches() for rel in _touched(p, target)}
+        reads = changed | {f"{target.subtree}/__init__.py"}
         reads.update(str(m.relative_to(target.root)) for m in target.root.glob("*.dist-info/*"))
         for rel in reads:
             if (target.root / rel).is_file():
@@ -850,9 +851,8 @@ def dry_run(target):
             message = apply(copy).replace(str(copy.root), str(target.root))
         except ToolError as exc:
             raise type(exc)(str(exc).replace(str(copy.root), str(target.root))) from None
-        touched = {rel for p in patch_files() + compat_patches() for rel in _touched(p, copy)}
         contents = {
-            rel: (scratch / rel).read_bytes() for rel in touched if (scratch / rel).is_file()
+            rel: (scratch / rel).read_bytes() for rel in changed if (scratch / rel).is_file()
         }
         return message, _diff(target.root, contents)
 
