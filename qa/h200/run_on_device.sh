@@ -15,7 +15,7 @@
 # (stall: the checkpoint stall benchmark on all GPUs, STALL_ARGS its arguments; stager: the GPU
 # tests of te_fusedadam_offload.staging on all GPUs)
 # The test files are TE's, as the series changes them, from TE_PATH (default te-main, the
-# patched upstream main tree of 'python -m build_tools materialize --source ...'; carry its
+# patched upstream main tree of 'python -m te_fusedadam_offload materialize --source ...'; carry its
 # tests/pytorch to the machine). SINGLE_ARGS / DIST_ARGS add pytest arguments (e.g. -k),
 # SINGLE_TIMEOUT / DIST_TIMEOUT bound those stages in seconds.
 # Every stage logs to LOG_DIR/STAGE.log (JUnit XML and benchmark rows beside it); the script

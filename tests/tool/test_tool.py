@@ -19,8 +19,9 @@ from pathlib import Path
 
 import pytest
 
-from build_tools import cli, drift, mainline, series, target, upstream
-from build_tools.errors import ToolError
+import te_fusedadam_offload
+from te_fusedadam_offload import cli, drift, mainline, series, target, upstream
+from te_fusedadam_offload.errors import ToolError
 
 REPO = Path(__file__).resolve().parents[2]
 FUSED_ADAM = "transformer_engine/pytorch/optimizers/fused_adam.py"
@@ -326,7 +327,7 @@ def test_checkout_gets_the_series_as_commits(tree, monkeypatch):
 def tool_home(tmp_path_factory):
     """The tool and its series without the repository's materialized transformer_engine/."""
     home = tmp_path_factory.mktemp("tool")
-    for name in ("build_tools", "patches", "compat"):
+    for name in ("te_fusedadam_offload", "patches", "compat"):
         shutil.copytree(REPO / name, home / name, ignore=shutil.ignore_patterns("__pycache__"))
     for name in ("series.toml", "upstream.json"):
         shutil.copyfile(REPO / name, home / name)
@@ -343,9 +344,9 @@ def _cli_env(pythonpath=REPO, fault=None, **extra):
 
 
 def _cli(args, cwd=None, **env):
-    """Run `python -m build_tools ARGS` in a subprocess (see _cli_env for `env`)."""
+    """Run `python -m te_fusedadam_offload ARGS` in a subprocess (see _cli_env for `env`)."""
     return subprocess.run(
-        [sys.executable, "-m", "build_tools", *args],
+        [sys.executable, "-m", "te_fusedadam_offload", *args],
         cwd=cwd,
         env=_cli_env(**env),
         capture_output=True,
@@ -548,7 +549,7 @@ def test_first_pull_request_adds_at_most_200_lines_under_transformer_engine():
 def _signed_off_stack(tmp_path, *args, env=None):
     out = tmp_path / "signed"
     result = subprocess.run(
-        [sys.executable, "-m", "build_tools", "pr", "--signoff", "--out", str(out), *args],
+        [sys.executable, "-m", "te_fusedadam_offload", "pr", "--signoff", "--out", str(out), *args],
         cwd=tmp_path,
         env=_cli_env(**(env or {})),
         capture_output=True,
@@ -841,7 +842,7 @@ def test_missing_git_is_one_line(tree):
 
 def test_closed_pipe_ends_quietly(tree):
     with subprocess.Popen(
-        [sys.executable, "-m", "build_tools", "status", str(tree)],
+        [sys.executable, "-m", "te_fusedadam_offload", "status", str(tree)],
         env=_cli_env(),
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
@@ -850,6 +851,15 @@ def test_closed_pipe_ends_quietly(tree):
         stderr = proc.stderr.read().decode()
         assert proc.wait() == 128 + signal.SIGPIPE
     assert stderr == ""
+
+
+def test_the_module_runs_from_a_te_checkout(tmp_path):
+    """A TE checkout has a build_tools/ package of its own: it does not shadow the tool."""
+    (tmp_path / "build_tools").mkdir()
+    (tmp_path / "build_tools" / "__init__.py").write_text("")
+    result = _cli(["--version"], cwd=tmp_path)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == te_fusedadam_offload.__version__
 
 
 def test_the_package_directory_itself_gets_a_hint(tree):
