@@ -15,7 +15,8 @@ import tempfile
 from pathlib import Path
 
 from .errors import ToolError
-from .series import identity_env, git, load_series, patch_files
+from .patching import git, git_am
+from .series import identity_env, load_series, patch_files
 from .upstream import cache_dir, load_pin
 
 # In a checkout of this repository: the pinned main tree with the series applied (git-ignored),
@@ -95,11 +96,7 @@ def check_main(source):
         work = Path(tmp) / "te"
         git(["clone", "--quiet", "--shared", "--no-checkout", str(source), str(work)], tmp, env)
         git(["checkout", "--quiet", "--detach", commit], work, env)
-        result = git(["am", "--keep-non-patch", *map(str, patches)], work, env, check=False)
-        if result.returncode != 0:
-            raise ToolError(
-                f"git am onto main {commit[:12]} failed:\n{(result.stdout + result.stderr).strip()}"
-            )
+        git_am(work, patches, env, what=f"git am onto main {commit[:12]}")
         subjects = git(["log", "--format=%s", f"{commit}..HEAD"], work, env).stdout
     lines = [
         (

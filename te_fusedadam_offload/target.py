@@ -23,7 +23,8 @@ import tempfile
 from pathlib import Path
 
 from .errors import NeedsError, NoTargetError, ToolError
-from .series import compat_patches, git, hunk_headers, load_checksums, patch_files, patch_label
+from .patching import all_apply, apply_all, apply_in_order, failure, git, git_am, offsets, touched
+from .series import compat_patches, load_checksums, patch_files, patch_label
 from .upstream import load_pin, sha256_of
 
 APPLIED, NOT_APPLIED, DRIFTED = "applied", "not applied", "drifted"
@@ -141,13 +142,27 @@ class Target:
 
     @property
     def include(self):
-        """git apply arguments that restrict a patch to what this target holds."""
-        return [] if self.kind == "checkout" else [f"--include={self.subtree}/*"]
+        """The paths of a patch that this target holds (git apply --include patterns)."""
+        return [] if self.kind == "checkout" else [f"{self.subtree}/*"]
 
-    def git_apply(self, patch, *args):
-        """Run git apply against this target's files only (never a repository around it)."""
-        env = {"GIT_CEILING_DIRECTORIES": str(self.root.parent)}
-        return git(["apply", *self.include, *args, str(patch)], self.root, env, check=False)
+    def touches(self, patch):
+        """The files of this target that a patch changes."""
+        files = touched(patch)
+        return files if self.kind == "checkout" else [f for f in files if self.holds(f)]
+
+    def holds(self, rel):
+        """Whether the series' file `rel` is one of this kind of target."""
+        return self.kind == "checkout" or rel.startswith(self.subtree + "/")
+
+    def apply_patches(self, patches, reverse=False):
+        """apply_in_order of `patches` to this target's files (see there)."""
+        return apply_in_order(self.root, patches, self.include, reverse)
+
+    def patch(self, patches):
+        """git apply the patches that change this target's files, in turn, in place: for
+        scratch copies that the tool makes itself (materialize), not for a user's TE. Returns
+        how many applied; raises ToolError at the first that does not."""
+        return apply_all(self.root, [p for p in patches if self.touches(p)], self.include)
 
 
 def te_version(target):
@@ -163,7 +178,7 @@ def te_version(target):
     return None
 
 
-def _version_key(version):
+def version_key(version):
     """(major, minor, patch) of a release string such as '2.16.1' or '2.20.0.dev0'."""
     numbers = [int(n) for n in re.findall(r"\d+", version)[:3]]
     return tuple(numbers + [0] * (3 - len(numbers)))
@@ -178,7 +193,7 @@ def supported_range():
 
 def older_than_supported(version):
     """Whether a TE version is older than the oldest release the series supports."""
-    return version is not None and _version_key(version) < _version_key(supported_range()[0])
+    return version is not None and version_key(version) < version_key(supported_range()[0])
 
 
 # Where the TE that a Python imports lives; run from "/", so that the current directory
@@ -224,36 +239,6 @@ def find_target(path=None, installed=False, python=None):
     return Target(root, kind)
 
 
-def _touched(patch, target):
-    """Upstream files a patch changes that this target holds."""
-    files = []
-    for line in Path(patch).read_text(encoding="utf-8").splitlines():
-        if line.startswith("+++ b/"):
-            rel = line[len("+++ b/") :]
-            if target.kind == "checkout" or rel.startswith(target.subtree + "/"):
-                files.append(rel)
-    return files
-
-
-def _failure(result, patch):
-    """Where a patch stopped applying: file, line and hunk."""
-    headers = hunk_headers(patch)
-    for line in result.stderr.splitlines():
-        m = re.match(r"error: patch failed: (.+):(\d+)$", line)
-        if m:
-            path, start = m.group(1), int(m.group(2))
-            return f"{path}: hunk {headers.get((path, start), f'at line {start}')} does not apply"
-        m = re.match(r"error: (.+): No such file or directory$", line)
-        if m:
-            return f"{m.group(1)}: missing"
-    return result.stderr.strip() or "does not apply"
-
-
-def has_offset(result):
-    """Whether git apply -v applied some hunk at another line than the patch says."""
-    return re.search(r"offset -?\d+ lines?", result.stderr + result.stdout) is not None
-
-
 def relevant_patches(target, patches=None, originals=None):
     """The patches of the series (or of `patches`) that change files this target holds.
 
@@ -265,10 +250,10 @@ def relevant_patches(target, patches=None, originals=None):
     an older release read like a newer one, so a patched file cannot tell which variant made
     it; a compat patch is only ever applied by apply, which saves the originals. If no variant
     applies, the series alone (a drifted target is reported against the series itself)."""
-    chosen = [p for p in (patch_files() if patches is None else patches) if _touched(p, target)]
+    chosen = [p for p in (patch_files() if patches is None else patches) if target.touches(p)]
     if patches is not None or not chosen:
         return chosen
-    compat = [c for c in compat_patches() if _touched(c, target)]
+    compat = [c for c in compat_patches() if target.touches(c)]
     if not compat:
         return chosen
     if originals is None:
@@ -277,7 +262,7 @@ def relevant_patches(target, patches=None, originals=None):
         if saved and "other" not in saved.values():
             originals = {rel: backup.original(rel) for rel in saved}
     for variant in [chosen] + [[c, *chosen] for c in compat]:
-        if _all_apply(simulate(target, variant, originals=originals)):
+        if all_apply(simulate(target, variant, originals=originals)):
             return variant
     return chosen
 
@@ -289,26 +274,20 @@ def simulate(target, patches, *reverse, originals=None, contents=None):
     applies. The target is not touched. `originals` ({path: bytes}) stand in for the target's
     files; if all patches apply, `contents` (a dict) gets {path: bytes} of the files after
     them."""
-    results = []
-    touched = list(dict.fromkeys(rel for patch in patches for rel in _touched(patch, target)))
+    files = list(dict.fromkeys(rel for patch in patches for rel in target.touches(patch)))
     with tempfile.TemporaryDirectory() as tmp:
         scratch = Path(tmp) / "target"
         (scratch / target.subtree).mkdir(parents=True)
-        for rel in touched:
+        for rel in files:
             src, dst = target.root / rel, scratch / rel
             dst.parent.mkdir(parents=True, exist_ok=True)
             if originals is not None and rel in originals:
                 dst.write_bytes(originals[rel])
             elif src.is_file():
                 shutil.copyfile(src, dst)
-        copy = Target(scratch, target.kind)
-        for patch in patches:
-            result = copy.git_apply(patch, "-v", *reverse)
-            results.append((patch, result))
-            if result.returncode != 0:
-                break
-        if contents is not None and _all_apply(results):
-            contents.update({rel: (scratch / rel).read_bytes() for rel in touched})
+        results = list(Target(scratch, target.kind).apply_patches(patches, bool(reverse)))
+        if contents is not None and all_apply(results):
+            contents.update({rel: (scratch / rel).read_bytes() for rel in files})
     return results
 
 
@@ -333,11 +312,11 @@ def status(target):
             )
         return [(patch_label(p), *rows[patch_label(p)]) for p in patches], INTERRUPTED
     forward = simulate(target, relevant)
-    if _all_apply(forward):
+    if all_apply(forward):
         overall = NOT_APPLIED
         for patch, result in forward:
-            rows[patch_label(patch)] = (NOT_APPLIED, "with offset" if has_offset(result) else "")
-    elif _all_apply(simulate(target, relevant[::-1], "-R")):
+            rows[patch_label(patch)] = (NOT_APPLIED, "with offset" if offsets(result) else "")
+    elif all_apply(simulate(target, relevant[::-1], "-R")):
         overall = APPLIED
         for patch in relevant:
             rows[patch_label(patch)] = (APPLIED, "")
@@ -355,7 +334,7 @@ def status(target):
                 rows[patch_label(patch)] = (
                     (NOT_APPLIED, "")
                     if result.returncode == 0
-                    else (DRIFTED, _failure(result, patch))
+                    else (DRIFTED, failure(result, patch))
                 )
     return [(patch_label(p), *rows[patch_label(p)]) for p in patches], overall
 
@@ -363,15 +342,11 @@ def status(target):
 def _applied_prefix(target, patches):
     """k if exactly the first k (0 < k < all) of `patches` are applied to the target, else 0."""
     for k in range(len(patches) - 1, 0, -1):
-        if _all_apply(simulate(target, patches[:k][::-1], "-R")) and _all_apply(
+        if all_apply(simulate(target, patches[:k][::-1], "-R")) and all_apply(
             simulate(target, patches[k:])
         ):
             return k
     return 0
-
-
-def _all_apply(results):
-    return all(result.returncode == 0 for _, result in results)
 
 
 def file_report(target, overall=None):
@@ -496,7 +471,7 @@ class _Backup:
 
 def _remove_stale_files(target):
     """Temporary files that a killed run left, and saved originals that no state file counts."""
-    dirs = {(target.root / rel).parent for p in patch_files() for rel in _touched(p, target)}
+    dirs = {(target.root / rel).parent for p in patch_files() for rel in target.touches(p)}
     backup = _Backup(target)
     dirs.add(backup.dir)
     for directory in dirs:
@@ -629,19 +604,19 @@ def other_version(target):
     if not saved or "other" in saved.values():
         return False
     results, _, other = _against_saved(target, backup, saved)
-    return other and _all_apply(results)
+    return other and all_apply(results)
 
 
 def _replace_other_version(target, results):
     """The target carries another version of the series (applied by another release of this
     tool, whose saved originals are there): put the originals back and apply this version,
     if it applies to them; else change nothing."""
-    if not _all_apply(results):
+    if not all_apply(results):
         patch, result = results[-1]
         raise ToolError(
             f"{target.subtree}/ carries another version of this series, and this version does "
             f"not apply to the original files saved with it ({patch_label(patch)}: "
-            f"{_failure(result, patch)}); nothing was changed. 'revert' restores the originals."
+            f"{failure(result, patch)}); nothing was changed. 'revert' restores the originals."
         )
     undone = revert(target)
     return f"replaced another version of the series ({undone}): {apply(target)}"
@@ -661,25 +636,8 @@ def _apply_checkout(target):
     patches = patch_files()
     if git(["status", "--porcelain", "--untracked-files=no"], target.root).stdout.strip():
         raise ToolError(f"{target.root} has uncommitted changes; commit or stash them first")
-    result = git(["am", "--keep-non-patch", *map(str, patches)], target.root, check=False)
-    if result.returncode != 0:
-        git(["am", "--abort"], target.root, check=False)
-        raise ToolError(f"git am failed and was aborted:\n{result.stderr.strip()}")
+    git_am(target.root, patches)
     return f"applied {len(patches)} patches as commits with git am"
-
-
-def apply_all(target, patches, *reverse):
-    """git apply (or, with "-R", reverse) each patch in turn, in place: for scratch copies that
-    the tool makes itself (materialize), not for a user's TE."""
-    done = 0
-    for patch in patches:
-        if not _touched(patch, target):
-            continue
-        result = target.git_apply(patch, *reverse)
-        if result.returncode != 0:
-            raise ToolError(f"{patch_label(patch)}: {_failure(result, patch)}")
-        done += 1
-    return done
 
 
 def revert(target):
@@ -836,7 +794,7 @@ def dry_run(target):
     with tempfile.TemporaryDirectory() as tmp:
         scratch = Path(tmp)
         package = target.root / target.subtree
-        changed = {rel for p in patch_files() + compat_patches() for rel in _touched(p, target)}
+        changed = {rel for p in patch_files() + compat_patches() for rel in target.touches(p)}
         reads = changed | {f"{target.subtree}/__init__.py"}
         reads.update(str(m.relative_to(target.root)) for m in target.root.glob("*.dist-info/*"))
         for rel in reads:

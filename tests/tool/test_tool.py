@@ -20,7 +20,17 @@ from pathlib import Path
 import pytest
 
 import te_fusedadam_offload
-from te_fusedadam_offload import cli, drift, mainline, series, target, upstream
+from te_fusedadam_offload import (
+    cli,
+    drift,
+    generate,
+    mainline,
+    maintainers,
+    patching,
+    series,
+    target,
+    upstream,
+)
 from te_fusedadam_offload.errors import ToolError
 
 REPO = Path(__file__).resolve().parents[2]
@@ -96,7 +106,7 @@ def test_wrong_hash_is_refused(tmp_path):
 
 def _release_patches(t):
     """The patches of the series that change files of the release's package."""
-    return [p for p in series.patch_files() if target._touched(p, t)]
+    return [p for p in series.patch_files() if t.touches(p)]
 
 
 def test_apply_is_idempotent_and_revert_restores_pristine_bytes(tree, pristine):
@@ -381,12 +391,12 @@ def test_no_installed_te_is_a_clear_error(tmp_path, tool_home):
 
 
 def test_materialize_gives_pristine_plus_series(tmp_path):
-    message = cli.materialize(tmp_path)
+    message = maintainers.materialize(tmp_path)
     assert "2.20.2 + series" in message
     _, after = series.load_checksums()[FUSED_ADAM]
     assert upstream.sha256_of(tmp_path / FUSED_ADAM) == after
     with pytest.raises(ToolError, match="already exists"):
-        cli.materialize(tmp_path)
+        maintainers.materialize(tmp_path)
 
 
 @pytest.mark.parametrize("way_out", ["apply", "revert"])
@@ -396,7 +406,7 @@ def test_partly_applied_target_is_completed_or_reverted(tree, pristine, way_out)
     apply completes the series, revert takes the first patch out."""
     t = target.find_target(tree)
     first, second = target.relevant_patches(t)[:2]
-    target.apply_all(t, [first])
+    t.patch([first])
     rows, overall = target.status(t)
     assert overall == target.INTERRUPTED
     states = {label: state for label, state, _ in rows}
@@ -415,17 +425,17 @@ def test_materialize_writes_the_stages_of_a_file_changed_twice(tmp_path, tree):
     load): .stages/0001/ and .stages/0003/ hold it after patches 1 and 3."""
     staged = series.staged_paths()
     assert [i for i, paths in staged.items() if FUSED_ADAM in paths] == [0, 2]
-    cli.materialize(tmp_path / "m")
+    maintainers.materialize(tmp_path / "m")
     stages = []
     for index, patch in enumerate(series.patch_files()[:3]):
-        target.apply_all(target.find_target(tree), [patch])
+        target.find_target(tree).patch([patch])
         if FUSED_ADAM in staged.get(index, ()):
             stage = tmp_path / "m" / ".stages" / f"{index + 1:04d}" / FUSED_ADAM
             assert stage.read_bytes() == (tree / FUSED_ADAM).read_bytes()
             stages.append(stage.read_bytes())
     assert len({*stages, (tmp_path / "m" / FUSED_ADAM).read_bytes()}) == 3
     with pytest.raises(ToolError, match="already exists"):
-        cli.materialize(tmp_path / "m")
+        maintainers.materialize(tmp_path / "m")
 
 
 @pytest.mark.skipif(mainline.main_tree() is None, reason="needs the pinned main tree (TE_SOURCE)")
@@ -434,12 +444,12 @@ def test_materialize_writes_the_stages_of_main_files_changed_twice(tmp_path):
     pull request leaves it, the pinned main file with patch 2 applied."""
     rel = "tests/pytorch/test_fused_optimizer.py"
     assert rel in series.staged_paths()[1]
-    cli.materialize(tmp_path / "m")
+    maintainers.materialize(tmp_path / "m")
     scratch = tmp_path / "main"
     (scratch / rel).parent.mkdir(parents=True)
     shutil.copyfile(mainline.main_tree() / rel, scratch / rel)
     patch = series.patch_files()[1]
-    series.git(["apply", f"--include={rel}", str(patch)], scratch)
+    patching.git(["apply", f"--include={rel}", str(patch)], scratch)
     assert (tmp_path / "m" / ".stages" / "0002" / rel).read_bytes() == (scratch / rel).read_bytes()
 
 
@@ -452,7 +462,7 @@ def test_patches_are_up_to_date():
 def no_main_tree(monkeypatch):
     """As in CI: no TE source given and no main tree cached."""
     monkeypatch.delenv("TE_SOURCE", raising=False)
-    monkeypatch.setattr(cli, "main_tree", lambda source=None: None)
+    monkeypatch.setattr(maintainers, "main_tree", lambda source=None: None)
 
 
 def test_refresh_check_without_main_checks_all_but_the_main_diffs(no_main_tree, capsys):
@@ -471,7 +481,7 @@ def test_refresh_check_without_main_finds_a_stale_message(no_main_tree, monkeypa
     changed = series.load_series()
     entry = next(e for e in changed["patch"] if e.get("main_paths"))
     entry["body"] = entry["body"] + "\nOne more line.\n"
-    monkeypatch.setattr(series, "load_series", lambda: changed)
+    monkeypatch.setattr(generate, "load_series", lambda: changed)
     assert cli.main(["refresh", "--check"]) == 1
 
 
@@ -481,7 +491,7 @@ def test_refresh_without_main_refuses_to_write(no_main_tree, capsys):
 
 
 def test_materialize_without_main_says_what_it_skipped(no_main_tree, tmp_path):
-    message = cli.materialize(tmp_path)
+    message = maintainers.materialize(tmp_path)
     assert "SKIPPED: " in message and "te-main" in message
     assert not (tmp_path / "te-main").exists()
 
@@ -493,14 +503,14 @@ def test_main_sections_are_left_out_of_the_comparison():
         "diff --git a/a/b.py b/a/b.py\n-old\n+new\n"
         "diff --git a/tests/t.py b/tests/t.py\n+stand-in\n-- \n"
     )
-    kept = series._without(text, ["tests/t.py"])
+    kept = generate.without_paths(text, ["tests/t.py"])
     assert kept == "Subject: [PATCH 1/1] x\n---\n\ndiff --git a/a/b.py b/a/b.py\n-old\n+new\n-- \n"
 
 
 @pytest.mark.skipif(mainline.main_tree() is None, reason="needs the pinned main tree (TE_SOURCE)")
 def test_materialize_makes_the_patched_main_tree(tmp_path):
     """te-main/: the pinned main tree with the whole series, as the pull request makes it."""
-    message = cli.materialize(tmp_path)
+    message = maintainers.materialize(tmp_path)
     assert "te-main: upstream main" in message
     main = tmp_path / "te-main"
     assert (main / DOCS_PAGE).is_file()
