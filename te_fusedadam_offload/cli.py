@@ -9,23 +9,11 @@ import sys
 import textwrap
 
 from . import __version__
+from .actions import apply, dry_run, revert
 from .errors import EXIT_NEEDS, EXIT_NO, EXIT_NO_TARGET, EXIT_USAGE, ToolError
 from .maintainers import add_commands
-from .target import (
-    APPLIED,
-    DRIFTED,
-    NOT_APPLIED,
-    apply,
-    dry_run,
-    file_report,
-    find_target,
-    notes,
-    older_than_supported,
-    other_version,
-    revert,
-    status,
-    te_version,
-)
+from .state import APPLIED, DRIFTED, NOT_APPLIED, State, file_report, notes
+from .target import find_target, older_than_supported, te_version
 from .upstream import load_pin
 
 
@@ -33,20 +21,20 @@ def _target(args):
     return find_target(args.path, args.installed, args.python)
 
 
-def _print_status(target):
-    rows, overall = status(target)
-    print(f"{target}: {overall}")
-    for name, state, detail in rows:
-        print(f"  {name}: {state}" + (f" ({detail})" if detail else ""))
-    return overall
+def _print_status(state):
+    print(f"{state.target}: {state.overall}")
+    for name, what, detail in state.rows:
+        print(f"  {name}: {what}" + (f" ({detail})" if detail else ""))
+    return state.overall
 
 
 def cmd_status(args):
     """Tell whether the series is applied, not applied, interrupted or drifted, per patch and
     file. Exit 0 if it is applied, 1 otherwise."""
-    target = _target(args)
+    state = State(_target(args))
+    target = state.target
     if args.json:
-        rows, overall = status(target)
+        rows, overall = state.rows, state.overall
         report = {
             "target": str(target.root),
             "kind": target.kind,
@@ -56,15 +44,15 @@ def cmd_status(args):
             "patches": [
                 {"patch": name, "state": state, "detail": detail} for name, state, detail in rows
             ],
-            "files": [{"path": rel, "state": what} for rel, what in file_report(target, overall)],
-            "notes": notes(target, overall),
+            "files": [{"path": rel, "state": what} for rel, what in file_report(state)],
+            "notes": notes(state, overall),
         }
         print(json.dumps(report, indent=2))
     else:
-        overall = _print_status(target)
-        for rel, state in file_report(target, overall):
-            print(f"  {rel}: {state}")
-        for note in notes(target, overall):
+        overall = _print_status(state)
+        for rel, what in file_report(state):
+            print(f"  {rel}: {what}")
+        for note in notes(state, overall):
             print(f"note: {note}")
     return 0 if overall == APPLIED else 1
 
@@ -72,14 +60,14 @@ def cmd_status(args):
 def cmd_check(args):
     """Exit 0 if the series is applied or apply would apply it (or complete it, or replace
     another version of it), 1 if the target drifted or is a TE older than supported."""
-    target = _target(args)
-    overall, found = _print_status(target), te_version(target)
+    state = State(_target(args))
+    overall, found = _print_status(state), te_version(state.target)
     if overall == NOT_APPLIED and older_than_supported(found):
         print(f"  TE {found} is older than the releases the series supports")
         return 1
     if overall != DRIFTED:
         return 0
-    if other_version(target):
+    if state.other_version:
         print("  another version of this series is applied; apply replaces it")
         return 0
     return 1
@@ -95,7 +83,7 @@ def cmd_apply(args):
         print(f"dry run: {target}: {message}; nothing was changed")
         return
     print(f"{target}: {apply(target)}")
-    _, overall = status(target)
+    overall = State(target).overall
     if overall != APPLIED:
         raise ToolError(f"after applying, the series reads as {overall}")
 
@@ -104,8 +92,8 @@ def cmd_revert(args):
     """Take the series out, restoring the exact files it changed."""
     target = _target(args)
     print(f"{target}: {revert(target)}")
-    for rel, state in file_report(target, NOT_APPLIED):
-        print(f"  {rel}: {state}")
+    for rel, what in file_report(State(target), NOT_APPLIED):
+        print(f"  {rel}: {what}")
 
 
 EXIT_CODES = f"""exit status:

@@ -9,15 +9,8 @@ from pathlib import Path
 from .errors import NeedsError
 from .patching import failure, offsets
 from .series import patch_label
-from .target import (
-    NOT_CHECKED,
-    Target,
-    older_than_supported,
-    relevant_patches,
-    simulate,
-    supported_range,
-    version_key,
-)
+from .state import NOT_CHECKED, State
+from .target import Target, older_than_supported, supported_range, version_key
 from .upstream import cache_dir, download_wheel, load_pin, sha256_of, unpack_subtree
 
 CLEAN, OFFSET, CONFLICT = "applies cleanly", "applies with offset", "conflicts"
@@ -50,10 +43,10 @@ def default_versions():
 def check_tree(root):
     """[(patch, result, detail)] for the series (after the compat patch that the tree needs,
     if any) against a tree holding transformer_engine/, applied in order to a scratch copy."""
-    target = Target(root, "tree")
-    relevant = relevant_patches(target)
+    state = State(Target(root, "tree"))
+    relevant = state.relevant
     rows = {patch_label(p): (NOT_CHECKED, "an earlier patch conflicts") for p in relevant}
-    for patch, result in simulate(target, relevant):
+    for patch, result in state.forward[0]:
         if result.returncode != 0:
             rows[patch_label(patch)] = (CONFLICT, failure(result, patch))
         elif offsets(result):

@@ -21,13 +21,16 @@ import pytest
 
 import te_fusedadam_offload
 from te_fusedadam_offload import (
+    actions,
     cli,
     drift,
     generate,
     mainline,
     maintainers,
     patching,
+    saved,
     series,
+    state,
     target,
     upstream,
 )
@@ -112,29 +115,32 @@ def _release_patches(t):
 def test_apply_is_idempotent_and_revert_restores_pristine_bytes(tree, pristine):
     t = target.find_target(tree)
     assert t.kind == "tree"
-    assert target.status(t)[1] == target.NOT_APPLIED
-    assert target.file_report(t) == [(FUSED_ADAM, "as released in TE 2.20.2")]
+    assert state.status(t)[1] == state.NOT_APPLIED
+    assert state.file_report(state.State(t)) == [(FUSED_ADAM, "as released in TE 2.20.2")]
     count = len(_release_patches(t))
     assert count == 3  # the export, the load, the docstring fix
 
-    assert f"applied {count} patch" in target.apply(t)
-    assert target.status(t)[1] == target.APPLIED
-    assert target.file_report(t) == [(FUSED_ADAM, "TE 2.20.2's, patched by this series")]
+    assert f"applied {count} patch" in actions.apply(t)
+    assert state.status(t)[1] == state.APPLIED
+    assert state.file_report(state.State(t)) == [
+        (FUSED_ADAM, "TE 2.20.2's, patched by this series")
+    ]
     assert "state_dict_cpu_offload" in (tree / FUSED_ADAM).read_text(encoding="utf-8")
-    assert target.apply(t) == "already applied; nothing to do"
+    assert actions.apply(t) == "already applied; nothing to do"
 
-    assert f"reverted {count} patch" in target.revert(t)
+    assert f"reverted {count} patch" in actions.revert(t)
     assert _same_tree(tree / "transformer_engine", pristine / "transformer_engine")
-    assert target.revert(t) == "not applied; nothing to do"
+    assert actions.revert(t) == "not applied; nothing to do"
 
 
 def _record_saved(tree, key, path):
     """Set the saved state's digest `key` ("original" or "patched") of fused_adam.py to that
     of the file at `path`."""
-    state_file = tree / "transformer_engine" / target.BACKUP_DIR / target.STATE_FILE
-    state = json.loads(state_file.read_text(encoding="utf-8"))
-    state["files"][FUSED_ADAM][key] = target.sha256_of(path)
-    state_file.write_text(json.dumps(state), encoding="utf-8")
+    state_file = tree / "transformer_engine" / target.BACKUP_DIR / saved.STATE_FILE
+    meta = json.loads(state_file.read_text(encoding="utf-8"))
+    meta["files"][FUSED_ADAM][key] = upstream.sha256_of(path)
+    meta.pop("patches", None)  # as an earlier version of the tool writes it
+    state_file.write_text(json.dumps(meta), encoding="utf-8")
 
 
 def _as_other_version(tree, old, new):
@@ -151,20 +157,22 @@ def test_apply_replaces_another_version_of_the_series(tree, pristine):
     """A TE patched by another version of the series (an earlier release of the tool, whose
     saved originals are there) gets this version from apply; revert then restores it."""
     t = target.find_target(tree)
-    target.apply(t)
+    actions.apply(t)
     _as_other_version(tree, b"_OFFLOAD_MAX_BUFFERS = 16", b"_OFFLOAD_MAX_BUFFERS = 8")
-    report = dict(target.file_report(t))
+    report = dict(state.file_report(state.State(t)))
     assert report[FUSED_ADAM] == "patched by another version of this series; apply replaces it"
-    assert target.other_version(t)
+    assert state.State(t).other_version
     assert cli.main(["check", str(tree)]) == 0
 
-    message = target.apply(t)
+    message = actions.apply(t)
     assert message.startswith("replaced another version of the series (reverted")
     assert "applied 3 patch(es)" in message
-    assert target.status(t)[1] == target.APPLIED
-    assert target.file_report(t) == [(FUSED_ADAM, "TE 2.20.2's, patched by this series")]
-    assert target.apply(t) == "already applied; nothing to do"
-    target.revert(t)
+    assert state.status(t)[1] == state.APPLIED
+    assert state.file_report(state.State(t)) == [
+        (FUSED_ADAM, "TE 2.20.2's, patched by this series")
+    ]
+    assert actions.apply(t) == "already applied; nothing to do"
+    actions.revert(t)
     assert _same_tree(tree / "transformer_engine", pristine / "transformer_engine")
 
 
@@ -172,7 +180,7 @@ def test_other_version_on_other_originals_is_left_unchanged(tree):
     """If this version does not apply to the originals saved by another version (another TE
     release), apply raises and changes nothing; revert still restores those originals."""
     t = target.find_target(tree)
-    target.apply(t)
+    actions.apply(t)
     _as_other_version(tree, b"_OFFLOAD_MAX_BUFFERS = 16", b"_OFFLOAD_MAX_BUFFERS = 8")
     backup = tree / "transformer_engine" / target.BACKUP_DIR
     original = backup / "original" / FUSED_ADAM
@@ -183,12 +191,12 @@ def test_other_version_on_other_originals_is_left_unchanged(tree):
     _record_saved(tree, "original", original)
     before = {p: p.read_bytes() for p in sorted(tree.rglob("*")) if p.is_file()}
 
-    assert not target.other_version(t)
+    assert not state.State(t).other_version
     assert cli.main(["check", str(tree)]) == 1
     with pytest.raises(ToolError, match="another version of this series.*nothing was changed"):
-        target.apply(t)
+        actions.apply(t)
     assert {p: p.read_bytes() for p in sorted(tree.rglob("*")) if p.is_file()} == before
-    assert "restored the saved original bytes" in target.revert(t)
+    assert "restored the saved original bytes" in actions.revert(t)
     assert (tree / FUSED_ADAM).read_bytes() == drifted
 
 
@@ -206,7 +214,7 @@ def _module_imports(path):
 def test_series_adds_no_torch_import_at_module_scope(tree, pristine):
     """`import transformer_engine.pytorch` must not depend on a private torch module: the
     series imports only standard-library modules at module scope of fused_adam.py."""
-    target.apply(target.find_target(tree))
+    actions.apply(target.find_target(tree))
     added = _module_imports(tree / FUSED_ADAM) - _module_imports(pristine / FUSED_ADAM)
     assert added == {"collections", "concurrent.futures", "functools", "os"}
     assert all(name.split(".")[0] in sys.stdlib_module_names for name in added)
@@ -216,12 +224,12 @@ def test_drifted_target_is_reported_and_left_unchanged(tree):
     _drift_context(tree)
     before = (tree / FUSED_ADAM).read_bytes()
     t = target.find_target(tree)
-    rows, overall = target.status(t)
-    assert overall == target.DRIFTED
-    detail = [d for _, s, d in rows if s == target.DRIFTED][0]
+    rows, overall = state.status(t)
+    assert overall == state.DRIFTED
+    detail = [d for _, s, d in rows if s == state.DRIFTED][0]
     first_hunk = next(iter(series.hunk_headers(series.patch_files()[0]).values()))
     assert FUSED_ADAM in detail and first_hunk in detail
-    assert target.file_report(t) == [
+    assert state.file_report(state.State(t)) == [
         (
             FUSED_ADAM,
             (
@@ -231,9 +239,9 @@ def test_drifted_target_is_reported_and_left_unchanged(tree):
         )
     ]
     with pytest.raises(ToolError, match="drifted"):
-        target.apply(t)
+        actions.apply(t)
     with pytest.raises(ToolError, match="drifted"):
-        target.revert(t)
+        actions.revert(t)
     assert (tree / FUSED_ADAM).read_bytes() == before
     assert cli.main(["check", str(tree)]) == 1
 
@@ -251,11 +259,12 @@ def test_failed_apply_changes_nothing(tree, monkeypatch, tmp_path):
     other = tree / "transformer_engine" / "pytorch" / "optimizers" / "fused_sgd.py"
     text = bad.read_text(encoding="utf-8").replace(FUSED_ADAM, str(other.relative_to(tree)))
     bad.write_text(text, encoding="utf-8")
-    monkeypatch.setattr(target, "patch_files", lambda: [good, bad])
+    for module in (state, saved):
+        monkeypatch.setattr(module, "patch_files", lambda: [good, bad])
     snapshot = {p: p.read_bytes() for p in (tree / "transformer_engine").rglob("*.py")}
     t = target.find_target(tree)
     with pytest.raises(ToolError):
-        target.apply(t)
+        actions.apply(t)
     assert {p: p.read_bytes() for p in (tree / "transformer_engine").rglob("*.py")} == snapshot
 
 
@@ -265,16 +274,16 @@ def test_offset_applies_and_reverts_exactly(tree):
     rows = drift.check_tree(tree)
     assert rows[0][1] == drift.OFFSET and "offset 2 lines" in rows[0][2]
     t = target.find_target(tree)
-    target.apply(t)
-    assert target.status(t)[1] == target.APPLIED
-    target.revert(t)
+    actions.apply(t)
+    assert state.status(t)[1] == state.APPLIED
+    actions.revert(t)
     assert (tree / FUSED_ADAM).read_bytes() == original
 
 
 def test_drift_report_on_pristine_and_drifted_trees(tree, pristine):
     assert [r[1] for r in drift.check_tree(pristine)] == [drift.CLEAN] * 3
     _drift_context(tree)
-    assert [r[1] for r in drift.check_tree(tree)] == [drift.CONFLICT] + [target.NOT_CHECKED] * 2
+    assert [r[1] for r in drift.check_tree(tree)] == [drift.CONFLICT] + [state.NOT_CHECKED] * 2
 
 
 def _git(args, cwd):
@@ -305,8 +314,8 @@ def _as_main(tree, monkeypatch):
         if needs_main[-1]:
             left_out.update(series.entry_paths(entry))
     kept = [p for p, needs in zip(series.patch_files(), needs_main) if not needs]
-    monkeypatch.setattr(target, "patch_files", lambda: kept)
-    monkeypatch.setattr(mainline, "patch_files", lambda: kept)
+    for module in (state, saved, actions, mainline):
+        monkeypatch.setattr(module, "patch_files", lambda: kept)
     return [e["subject"] for e, needs in zip(entries, needs_main) if not needs]
 
 
@@ -318,19 +327,19 @@ def test_checkout_gets_the_series_as_commits(tree, monkeypatch):
     base = _git(["rev-parse", "HEAD"], tree).strip()
     t = target.find_target(tree)
     assert t.kind == "checkout"
-    assert "git am" in target.apply(t)
+    assert "git am" in actions.apply(t)
     subjects = _git(["log", "--format=%s", f"-{len(expected)}"], tree).splitlines()[::-1]
     assert subjects == expected
     body = _git(["log", "-1", "--format=%B"], tree)
     assert "Signed-off-by: " in body
     assert "state_dict_cpu_offload" in (tree / FUSED_ADAM).read_text(encoding="utf-8")
     assert (tree / DOCS_PAGE).is_file() == (len(expected) == len(series.patch_files()))
-    assert target.status(t)[1] == target.APPLIED
-    assert target.apply(t) == "already applied; nothing to do"
-    target.revert(t)
+    assert state.status(t)[1] == state.APPLIED
+    assert actions.apply(t) == "already applied; nothing to do"
+    actions.revert(t)
     assert _git(["rev-parse", "HEAD"], tree).strip() == base
     assert not (tree / DOCS_PAGE).exists()
-    assert target.status(t)[1] == target.NOT_APPLIED
+    assert state.status(t)[1] == state.NOT_APPLIED
 
 
 @pytest.fixture(scope="session")
@@ -347,9 +356,9 @@ def tool_home(tmp_path_factory):
 def _cli_env(pythonpath=REPO, fault=None, **extra):
     """The environment of the command line in a subprocess, with a fault injected or none."""
     env = dict(os.environ, PYTHONPATH=str(pythonpath), **extra)
-    env.pop(target.FAULT_ENV, None)
+    env.pop(saved.FAULT_ENV, None)
     if fault:
-        env[target.FAULT_ENV] = fault
+        env[saved.FAULT_ENV] = fault
     return env
 
 
@@ -384,6 +393,31 @@ def test_installed_target_inside_an_unrelated_git_repo(tree, tmp_path, tool_home
     assert upstream.sha256_of(site / FUSED_ADAM) == series.load_checksums()[FUSED_ADAM][0]
 
 
+def test_state_is_found_once(tree, tmp_path):
+    """Counted with a git on PATH that logs its calls: apply on a fresh TE applies each patch
+    once to a scratch copy (3 patches: 3 git processes), and after it, apply, status and check
+    read the digests that apply saved (none)."""
+    log, wrapper = tmp_path / "git.log", tmp_path / "bin" / "git"
+    wrapper.parent.mkdir()
+    wrapper.write_text(f'#!/bin/sh\necho "$*" >> "{log}"\nexec "{shutil.which("git")}" "$@"\n')
+    wrapper.chmod(0o755)
+
+    def git_processes(*args, code=0):
+        log.write_text("")
+        path = f"{wrapper.parent}{os.pathsep}{os.environ['PATH']}"
+        pythonpath = os.pathsep.join([str(tree), str(REPO)])
+        result = _cli([*args, "--installed"], tmp_path, pythonpath=pythonpath, PATH=path)
+        assert result.returncode == code, result.stderr
+        return len(log.read_text().splitlines())
+
+    counts = {"status (fresh)": git_processes("status", code=1)}
+    counts["apply"] = git_processes("apply")
+    for command in ("apply", "status", "check"):
+        counts[f"{command} (applied)"] = git_processes(command)
+    assert counts["status (fresh)"] <= 3 and counts["apply"] <= 5, counts
+    assert max(counts[f"{c} (applied)"] for c in ("apply", "status", "check")) <= 3, counts
+
+
 def test_no_installed_te_is_a_clear_error(tmp_path, tool_home):
     result = _run_cli(["status", "--installed"], tmp_path, tmp_path, tool_home)
     assert result.returncode == 3
@@ -405,18 +439,20 @@ def test_partly_applied_target_is_completed_or_reverted(tree, pristine, way_out)
     earlier version of the tool left it): reported as interrupted, with the patch that is in;
     apply completes the series, revert takes the first patch out."""
     t = target.find_target(tree)
-    first, second = target.relevant_patches(t)[:2]
+    first, second = state.State(t).relevant[:2]
     t.patch([first])
-    rows, overall = target.status(t)
-    assert overall == target.INTERRUPTED
-    states = {label: state for label, state, _ in rows}
-    assert states[series.patch_label(first)] == target.APPLIED
-    assert states[series.patch_label(second)] == target.NOT_APPLIED
+    rows, overall = state.status(t)
+    assert overall == state.INTERRUPTED
+    states = {label: what for label, what, _ in rows}
+    assert states[series.patch_label(first)] == state.APPLIED
+    assert states[series.patch_label(second)] == state.NOT_APPLIED
     assert cli.main(["check", str(tree)]) == 0
     if way_out == "apply":
-        assert "the first 1 were applied already" in target.apply(t)
-        assert target.file_report(t) == [(FUSED_ADAM, "TE 2.20.2's, patched by this series")]
-    target.revert(t)
+        assert "the first 1 were applied already" in actions.apply(t)
+        assert state.file_report(state.State(t)) == [
+            (FUSED_ADAM, "TE 2.20.2's, patched by this series")
+        ]
+    actions.revert(t)
     assert _same_tree(tree / "transformer_engine", pristine / "transformer_engine")
 
 
@@ -584,7 +620,7 @@ def test_pr_signoff_writes_the_stack_signed_off_by_the_submitter(tmp_path, tree,
         assert "you@example.com" not in text and "\nFrom: Jane Doe <jane@example.org>\n" in text
     assert all("\nSigned-off-by: Jane Doe <jane@example.org>\n" in p.read_text() for p in written)
     subjects = _as_main(tree, monkeypatch)
-    kept = {series.patch_label(p) for p in target.patch_files()}
+    kept = {series.patch_label(p) for p in state.patch_files()}
     _git(["init", "-q", "-b", "main"], tree)
     _git(["add", "-A"], tree)
     _git(["commit", "-qm", "TE"], tree)
@@ -988,17 +1024,17 @@ def test_releases_before_2_17_get_the_compat_patch_first(tmp_path, version):
     site = _site_of_release(version, tmp_path)
     before = (site / FUSED_ADAM).read_bytes()
     t = target.find_target(site)
-    assert [series.patch_label(p) for p in target.relevant_patches(t)][0].startswith("compat/")
-    assert "applied 4 patch(es)" in target.apply(t)
-    rows, overall = target.status(t)
-    assert overall == target.APPLIED and rows[0][:2] == ("compat/te-2.14.0-2.16.1.patch", "applied")
+    assert [series.patch_label(p) for p in state.State(t).relevant][0].startswith("compat/")
+    assert "applied 4 patch(es)" in actions.apply(t)
+    rows, overall = state.status(t)
+    assert overall == state.APPLIED and rows[0][:2] == ("compat/te-2.14.0-2.16.1.patch", "applied")
     patched = (site / FUSED_ADAM).read_text(encoding="utf-8")
     compile(patched, FUSED_ADAM, "exec")
     assert "from ..constants import DType, TE_DType_To_Torch\n" in patched
-    assert target.file_report(t, overall) == [
+    assert state.file_report(state.State(t), overall) == [
         (FUSED_ADAM, f"TE {version}'s, patched by this series")
     ]
-    target.revert(t)
+    actions.revert(t)
     assert (site / FUSED_ADAM).read_bytes() == before
 
 
