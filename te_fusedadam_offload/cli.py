@@ -12,6 +12,7 @@ from . import __version__
 from .actions import apply, dry_run, revert
 from .errors import EXIT_NEEDS, EXIT_NO, EXIT_NO_TARGET, EXIT_USAGE, ToolError
 from .maintainers import add_commands
+from .series import stack_prefix
 from .state import APPLIED, DRIFTED, NOT_APPLIED, State, file_report, notes
 from .target import find_target, older_than_supported, te_version
 from .upstream import load_pin
@@ -76,14 +77,14 @@ def cmd_check(args):
 def cmd_apply(args):
     """Apply the series (idempotent, all or nothing); with --dry-run, show what it would
     change and change nothing."""
-    target = _target(args)
+    target, patches = _target(args), stack_prefix(args.upto)
     if args.dry_run:
-        message, diff = dry_run(target)
+        message, diff = dry_run(target, patches)
         sys.stdout.write(diff)
         print(f"dry run: {target}: {message}; nothing was changed")
         return
-    print(f"{target}: {apply(target)}")
-    overall = State(target).overall
+    print(f"{target}: {apply(target, patches)}")
+    overall = State(target, patches).overall
     if overall != APPLIED:
         raise ToolError(f"after applying, the series reads as {overall}")
 
@@ -168,6 +169,16 @@ def build_parser():
                 "--dry-run",
                 action="store_true",
                 help="print the diff that apply would make, and change nothing",
+            )
+            p.add_argument(
+                "--upto",
+                type=int,
+                metavar="N",
+                help=(
+                    "[maintainers] only the first N pull requests of the stack (to test them "
+                    "alone, as the GPU runner's STACK_PREFIX=N does); a later apply without it "
+                    "replaces them with the whole stack"
+                ),
             )
         if name == "status":
             p.add_argument("--json", action="store_true", help="print the report as JSON")

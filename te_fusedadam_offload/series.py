@@ -9,7 +9,7 @@ try:
 except ModuleNotFoundError:  # Python 3.10
     import tomli as tomllib
 
-from .errors import ToolError
+from .errors import ToolError, UsageError
 from .paths import data_file
 
 # A file that several patches change: its content after each patch but the last that changes
@@ -140,7 +140,7 @@ def stack_prefix(upto=None):
         return patch_files()
     stack = pr_patch_files()
     if not 1 <= upto <= len(stack):
-        raise ToolError(f"the stack has {len(stack)} pull requests: give --upto 1 to {len(stack)}")
+        raise UsageError(f"the stack has {len(stack)} pull requests: give --upto 1 to {len(stack)}")
     return [patch for _, patches in stack[:upto] for patch in patches]
 
 

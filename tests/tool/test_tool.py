@@ -865,6 +865,30 @@ def test_other_te_version_that_applies_gets_a_note(tmp_path):
     assert (site / FUSED_ADAM).read_bytes() == before
 
 
+def test_apply_upto_applies_the_first_pull_requests(tree, pristine, tmp_path):
+    """apply --upto 1 (a maintainers' option, for the GPU runner's STACK_PREFIX=1): the first
+    pull request alone, as its patches make the file; the whole stack then reads as
+    interrupted, and apply without it applies the whole stack."""
+    result = _cli(["apply", "--upto", "1", str(tree)])
+    assert result.returncode == 0, result.stderr
+    assert "applied 2 patch(es)" in result.stdout
+    expected = tmp_path / "pr1"
+    shutil.copytree(pristine / "transformer_engine", expected / "transformer_engine")
+    assert target.Target(expected, "tree").patch(series.pr_patch_files()[0][1]) == 2
+    assert (tree / FUSED_ADAM).read_bytes() == (expected / FUSED_ADAM).read_bytes()
+    result = _cli(["apply", "--upto", "1", str(tree)])
+    assert result.stdout.endswith("already applied; nothing to do\n"), result.stdout
+    result = _cli(["status", str(tree)])
+    assert result.returncode == 1 and ": interrupted\n" in result.stdout
+    result = _cli(["apply", str(tree)])
+    assert result.returncode == 0 and "applied 3 patch(es)" in result.stdout, result.stderr
+    assert _file_state(tree) == "patched"
+    assert _cli(["revert", str(tree)]).returncode == 0
+    assert _same_tree(tree / "transformer_engine", pristine / "transformer_engine")
+    result = _cli(["apply", "--upto", "3", str(tree)])
+    assert result.returncode == 2 and "give --upto 1 to 2" in result.stderr
+
+
 def test_status_and_check_exit_codes(tree):
     assert _cli(["status", str(tree)]).returncode == 1  # not applied
     assert _cli(["check", str(tree)]).returncode == 0  # applies
