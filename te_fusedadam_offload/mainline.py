@@ -2,8 +2,10 @@
 
 The patches that change existing upstream files outside the release's package (TE's own tests,
 qa/ scripts and docs, which the wheel does not carry) are made against this commit. Its tree is
-exported once from a TE git repository (a clone or a mirror, given as SOURCE or $TE_SOURCE) into
-the cache; nothing of it is committed.
+exported once into the cache, from a TE git repository (a clone or a mirror, given as SOURCE or
+$TE_SOURCE) or, without one, from the archive of that tree pinned in upstream.json
+($TE_MAIN_ARCHIVE, by default ../shared/upstream/ beside the checkout, as CI has it); nothing of
+it is committed.
 """
 
 import io
@@ -16,16 +18,24 @@ from pathlib import Path
 
 from .errors import ToolError
 from .patching import git, git_am
-from .series import identity_env, load_series, patch_files
-from .upstream import cache_dir, load_pin
+from .paths import repo_root
+from .series import identity_env, load_series, patch_files, pr_patch_files
+from .upstream import cache_dir, load_pin, sha256_of
 
 # In a checkout of this repository: the pinned main tree with the series applied (git-ignored),
 # where the series' changes to upstream main files are edited.
 MAIN_DIR = "te-main"
+ARCHIVE_ENV = "TE_MAIN_ARCHIVE"
+# Why there is no main tree, and what to do, for the commands that need it.
+NO_MAIN_TREE = (
+    "no TE source given and no archive of the pinned main tree: pass --source or set "
+    "TE_SOURCE to a TransformerEngine git clone holding the pinned main commit, or set "
+    f"{ARCHIVE_ENV} to the archive that upstream.json pins (main.archive)"
+)
 
 
 def load_main_pin():
-    """The pinned main commit: repository, branch, commit, date, version."""
+    """The pinned main commit: repository, branch, commit, date, version (and its archive)."""
     main = load_pin().get("main")
     if not main or "commit" not in main:
         raise ToolError("upstream.json pins no main commit ('main': {'commit': ...})")
@@ -49,34 +59,70 @@ def main_source(source=None):
     return source or os.environ.get("TE_SOURCE") or None
 
 
+def main_archive():
+    """The archive of the pinned main tree ($TE_MAIN_ARCHIVE, else upstream.json's `archive`
+    under ../shared/upstream/ beside the repository checkout), or None where there is none."""
+    archive = load_main_pin().get("archive")
+    given = os.environ.get(ARCHIVE_ENV)
+    if given:
+        if not Path(given).is_file():
+            raise ToolError(f"{ARCHIVE_ENV}={given}: no such file")
+        return Path(given)
+    root = repo_root()
+    if archive is None or root is None:
+        return None
+    path = root.parent / "shared" / "upstream" / archive["name"]
+    return path if path.is_file() else None
+
+
+def _export(source, main):
+    """The pinned main tree as a tar archive (opened), from the git repository `source` or
+    from the pinned archive, checked by its sha256; and the prefix of its members."""
+    if source is not None:
+        source = _check_source(source, main)
+        try:
+            archive = subprocess.run(
+                ["git", "archive", "--format=tar", main["commit"]],
+                cwd=source,
+                capture_output=True,
+                check=True,
+            ).stdout
+        except subprocess.CalledProcessError as exc:
+            raise ToolError(
+                f"git archive {main['commit']} failed: {exc.stderr.decode().strip()}"
+            ) from exc
+        return tarfile.open(fileobj=io.BytesIO(archive)), ""
+    pinned, path = main["archive"], main_archive()
+    actual = sha256_of(path)
+    if actual != pinned["sha256"]:
+        raise ToolError(
+            f"{path}: sha256 {actual} does not match the pinned {pinned['sha256']} of the "
+            f"archive of {main['commit'][:12]}; refusing to use it"
+        )
+    return tarfile.open(path), pinned["prefix"]
+
+
 def main_tree(source=None):
     """The pristine tree of the pinned main commit (cached, read only by convention), exported
-    from `source` or $TE_SOURCE the first time; None if it is not cached and no source is given."""
+    the first time from `source` or $TE_SOURCE, else from the pinned archive; None if it is
+    not cached and neither is at hand."""
     main = load_main_pin()
     root = cache_dir() / f"main-{main['commit'][:12]}"
     if (root / "tree" / ".commit").is_file():
         return root / "tree"
     source = main_source(source)
-    if source is None:
+    if source is None and main_archive() is None:
         return None
-    source = _check_source(source, main)
-    try:
-        archive = subprocess.run(
-            ["git", "archive", "--format=tar", main["commit"]],
-            cwd=source,
-            capture_output=True,
-            check=True,
-        ).stdout
-    except subprocess.CalledProcessError as exc:
-        raise ToolError(
-            f"git archive {main['commit']} failed: {exc.stderr.decode().strip()}"
-        ) from exc
+    tar, prefix = _export(source, main)
     tmp = Path(tempfile.mkdtemp(dir=cache_dir()))
-    with tarfile.open(fileobj=io.BytesIO(archive)) as tar:
+    with tar:
+        members = [m for m in tar.getmembers() if m.name.startswith(prefix) and m.name != prefix]
+        for member in members:
+            member.name = member.name[len(prefix) :]
         if hasattr(tarfile, "data_filter"):
-            tar.extractall(tmp / "tree", filter="data")
+            tar.extractall(tmp / "tree", members=members, filter="data")
         else:  # Python < 3.10.12: no filters; the archive is git's own output
-            tar.extractall(tmp / "tree")
+            tar.extractall(tmp / "tree", members=members)
     (tmp / "tree" / ".commit").write_text(main["commit"] + "\n", encoding="utf-8")
     if root.exists():
         shutil.rmtree(root)
@@ -84,23 +130,32 @@ def main_tree(source=None):
     return root / "tree"
 
 
-def check_main(source):
-    """`git am` the whole series onto the pinned main commit, in a scratch clone of the TE git
-    repository `source` (a checkout or a bare mirror; it is not changed). Returns a report;
-    raises ToolError if the commit is missing or a patch does not apply."""
+def check_main(source=None):
+    """`git am` each pull request of the stack in turn onto the pinned main tree (from
+    `source`, a TE git repository that is not changed, or as main_tree finds it), committed in
+    a scratch repository. Returns a report; raises ToolError if there is no main tree or a
+    patch does not apply."""
     main = load_main_pin()
-    source, commit = _check_source(source, main), main["commit"]
-    patches = patch_files()
+    commit = main["commit"]
+    if main_source(source) is not None:
+        _check_source(main_source(source), main)
+    tree = main_tree(source)
+    if tree is None:
+        raise ToolError(NO_MAIN_TREE)
     env = identity_env(load_series()["author"])
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(tmp) / "te"
-        git(["clone", "--quiet", "--shared", "--no-checkout", str(source), str(work)], tmp, env)
-        git(["checkout", "--quiet", "--detach", commit], work, env)
-        git_am(work, patches, env, what=f"git am onto main {commit[:12]}")
-        subjects = git(["log", "--format=%s", f"{commit}..HEAD"], work, env).stdout
+        shutil.copytree(tree, work, symlinks=True, ignore=shutil.ignore_patterns(".commit"))
+        git(["init", "-q", "-b", "main"], work, env)
+        git(["add", "-A", "-f"], work, env)
+        git(["commit", "-q", "-m", f"upstream main {commit[:12]}"], work, env)
+        base = git(["rev-parse", "HEAD"], work, env).stdout.strip()
+        for pr_dir, patches in pr_patch_files():
+            git_am(work, patches, env, what=f"git am of {pr_dir.name} onto main {commit[:12]}")
+        subjects = git(["log", "--format=%s", f"{base}..HEAD"], work, env).stdout
     lines = [
         (
-            f"git am of {len(patches)} patches onto {main['repository']} {main['branch']} "
+            f"git am of {len(patch_files())} patches onto {main['repository']} {main['branch']} "
             f"{commit[:12]} ({main['date']}, {main['version']}): applied"
         ),
     ]

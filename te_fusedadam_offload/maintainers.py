@@ -10,7 +10,7 @@ from pathlib import Path
 from .drift import CONFLICT, drift
 from .errors import EXIT_NEEDS, EXIT_NO, ToolError
 from .generate import compare_dirs, generate
-from .mainline import MAIN_DIR, check_main, main_source, main_tree
+from .mainline import MAIN_DIR, NO_MAIN_TREE, check_main, main_tree
 from .patching import apply_in_order
 from .paths import repo_root
 from .review import lint, signed_off
@@ -39,7 +39,8 @@ def materialize(dest, wheel=None, source=None):
     """Pristine pinned TE + the series, unpacked into `dest`/transformer_engine; the files that
     several patches change also as they are after each patch, under `dest`/.stages/. If the
     series changes upstream main files and the pinned main tree is at hand (cached, or
-    exported from `source` or $TE_SOURCE): that tree + the series in `dest`/te-main."""
+    exported from `source`, $TE_SOURCE or the pinned archive): that tree + the series in
+    `dest`/te-main."""
     pin = load_pin()
     dest = Path(dest)
     tree, stages = dest / pin["subtree"], dest / STAGES_DIR
@@ -65,8 +66,7 @@ def materialize(dest, wheel=None, source=None):
     elif main_paths():
         lines.append(
             f"SKIPPED: {dest / MAIN_DIR} (upstream main + the series, where its changes to "
-            f"{len(main_paths())} upstream main files are edited): no TE source given; pass "
-            "--source or set TE_SOURCE to a TransformerEngine git clone"
+            f"{len(main_paths())} upstream main files are edited): {NO_MAIN_TREE}"
         )
     return "\n".join(lines)
 
@@ -160,10 +160,7 @@ def refresh(check=False, wheel=None, source=None):
     # Without the main tree, the diffs of the main files cannot be made: only --check runs.
     partial = bool(changed_main) and main_root is None
     if partial and not check:
-        raise ToolError(
-            "the series changes upstream main files; pass --source or set TE_SOURCE "
-            "to a TransformerEngine git clone holding the pinned main commit"
-        )
+        raise ToolError(f"the series changes upstream main files: {NO_MAIN_TREE}")
     with tempfile.TemporaryDirectory() as tmp:
         if check:
             # From a fresh clone: the series applied to the pristine release (and main) must
@@ -186,9 +183,9 @@ def refresh(check=False, wheel=None, source=None):
             if partial:
                 report += (
                     f"\nSKIPPED: the diffs of {len(changed_main)} upstream main files "
-                    f"({', '.join(changed_main)}) and the diffstats were not regenerated: no "
-                    "TE source given (set TE_SOURCE to a TransformerEngine git clone); their "
-                    "commit messages and every other diff were regenerated and match"
+                    f"({', '.join(changed_main)}) and the diffstats were not regenerated "
+                    f"({NO_MAIN_TREE}); their commit messages and every other diff were "
+                    "regenerated and match"
                 )
             return report
         dest = patches_dir()
@@ -229,12 +226,10 @@ def cmd_drift(args):
 
 
 def cmd_check_main(args):
-    """git am the series onto the pinned upstream main commit, in a scratch clone of a TE
-    git repository (SOURCE, or $TE_SOURCE), which is left unchanged."""
-    source = main_source(args.source)
-    if not source:
-        raise ToolError("no TE source given: pass the path of a TransformerEngine git clone")
-    print(check_main(source))
+    """git am each pull request of the stack in turn onto the pinned upstream main commit's
+    tree, in a scratch repository (the tree from a TE git repository, SOURCE or $TE_SOURCE,
+    which is left unchanged, else cached or from the pinned archive)."""
+    print(check_main(args.source))
 
 
 def cmd_lint(args):
@@ -242,10 +237,7 @@ def cmd_lint(args):
     main tree with each prefix of the stack of pull requests; exit 1 if it fails."""
     main_root = main_tree(args.source)
     if main_root is None:
-        raise ToolError(
-            "TE's lint job runs on the pinned main tree: pass --source or set TE_SOURCE to a "
-            "TransformerEngine git clone holding the pinned main commit"
-        )
+        raise ToolError(f"TE's lint job runs on the pinned main tree: {NO_MAIN_TREE}")
     ok, report = lint(main_root)
     print(report)
     return 0 if ok else 1
@@ -263,7 +255,8 @@ def add_commands(add):
     wheel_help = "use this copy of the pinned wheel instead of downloading it (checked by sha256)"
     source_help = (
         "a TransformerEngine git clone holding the pinned main commit, for the series' changes "
-        "to upstream main files (default: $TE_SOURCE; once exported, the tree is cached)"
+        "to upstream main files (default: $TE_SOURCE, else the pinned archive of its tree, "
+        "$TE_MAIN_ARCHIVE or ../shared/upstream/; once exported, the tree is cached)"
     )
     p = add("fetch", cmd_fetch, maintainer + cmd_fetch.__doc__)
     p.add_argument("--wheel", help=wheel_help)

@@ -316,6 +316,8 @@ def _as_main(tree, monkeypatch):
     kept = [p for p, needs in zip(series.patch_files(), needs_main) if not needs]
     for module in (state, saved, actions, mainline):
         monkeypatch.setattr(module, "patch_files", lambda: kept)
+    stack = [(d, [p for p in ps if p in kept]) for d, ps in series.pr_patch_files()]
+    monkeypatch.setattr(mainline, "pr_patch_files", lambda: [(d, ps) for d, ps in stack if ps])
     return [e["subject"] for e, needs in zip(entries, needs_main) if not needs]
 
 
@@ -474,7 +476,7 @@ def test_materialize_writes_the_stages_of_a_file_changed_twice(tmp_path, tree):
         maintainers.materialize(tmp_path / "m")
 
 
-@pytest.mark.skipif(mainline.main_tree() is None, reason="needs the pinned main tree (TE_SOURCE)")
+@pytest.mark.skipif(mainline.main_tree() is None, reason=mainline.NO_MAIN_TREE)
 def test_materialize_writes_the_stages_of_main_files_changed_twice(tmp_path):
     """Both pull requests extend test_fused_optimizer.py: .stages/0002/ holds it as the first
     pull request leaves it, the pinned main file with patch 2 applied."""
@@ -543,7 +545,7 @@ def test_main_sections_are_left_out_of_the_comparison():
     assert kept == "Subject: [PATCH 1/1] x\n---\n\ndiff --git a/a/b.py b/a/b.py\n-old\n+new\n-- \n"
 
 
-@pytest.mark.skipif(mainline.main_tree() is None, reason="needs the pinned main tree (TE_SOURCE)")
+@pytest.mark.skipif(mainline.main_tree() is None, reason=mainline.NO_MAIN_TREE)
 def test_materialize_makes_the_patched_main_tree(tmp_path):
     """te-main/: the pinned main tree with the whole series, as the pull request makes it."""
     message = maintainers.materialize(tmp_path)
@@ -698,7 +700,9 @@ def test_wheel_carries_the_series(tmp_path):
 
 
 def _main_repo(tree, monkeypatch):
-    """A git repository whose commit stands in for the pinned upstream main commit."""
+    """A git repository whose commit stands in for the pinned upstream main commit (its tree
+    is exported into a cache of its own)."""
+    monkeypatch.setenv("TE_FUSEDADAM_OFFLOAD_CACHE", str(tree.parent / "cache"))
     _git(["init", "-q", "-b", "main"], tree)
     _git(["add", "-A"], tree)
     _git(["commit", "-qm", "main"], tree)
@@ -722,7 +726,7 @@ def test_check_main_applies_the_series_in_a_scratch_clone(tree, monkeypatch):
 def test_check_main_reports_a_conflict_and_a_missing_commit(tree, monkeypatch, tmp_path):
     _drift_context(tree)
     _main_repo(tree, monkeypatch)
-    with pytest.raises(ToolError, match="git am onto main .* failed"):
+    with pytest.raises(ToolError, match="git am of 1-export onto main .* failed and was aborted"):
         mainline.check_main(tree)
     assert not _git(["status", "--porcelain"], tree).strip()
     monkeypatch.setattr(mainline, "load_main_pin", lambda: dict(upstream.load_pin()["main"]))
@@ -732,12 +736,33 @@ def test_check_main_reports_a_conflict_and_a_missing_commit(tree, monkeypatch, t
         mainline.check_main(tmp_path)
 
 
-@pytest.mark.skipif(
-    not os.environ.get("TE_SOURCE"), reason="set TE_SOURCE to a TE git clone to check main"
-)
+@pytest.mark.skipif(mainline.main_tree() is None, reason=mainline.NO_MAIN_TREE)
 def test_series_applies_to_the_pinned_main_commit():
     """The pull request's base: the whole series git-am's onto the pinned main commit."""
-    assert ": applied" in mainline.check_main(os.environ["TE_SOURCE"])
+    assert ": applied" in mainline.check_main()
+
+
+@pytest.mark.skipif(mainline.main_archive() is None, reason=mainline.NO_MAIN_TREE)
+def test_the_main_tree_comes_from_the_pinned_archive(tmp_path, monkeypatch):
+    """Without a TE source (as in CI), the pinned main tree is the archive's, checked by its
+    sha256; TE_MAIN_ARCHIVE names another place for it."""
+    archive = mainline.main_archive()
+    monkeypatch.delenv("TE_SOURCE", raising=False)
+    monkeypatch.setenv("TE_FUSEDADAM_OFFLOAD_CACHE", str(tmp_path / "cache"))
+    tree = mainline.main_tree()
+    assert (tree / ".commit").read_text().strip() == mainline.load_main_pin()["commit"]
+    for rel in series.main_paths():
+        assert (tree / rel).is_file(), rel
+    assert ": applied" in mainline.check_main()
+    monkeypatch.setenv("TE_FUSEDADAM_OFFLOAD_CACHE", str(tmp_path / "another-cache"))
+    changed = tmp_path / archive.name
+    changed.write_bytes(archive.read_bytes() + b"\0")
+    monkeypatch.setenv(mainline.ARCHIVE_ENV, str(changed))
+    with pytest.raises(ToolError, match="does not match the pinned"):
+        mainline.main_tree()
+    monkeypatch.setenv(mainline.ARCHIVE_ENV, str(tmp_path / "missing.tar.gz"))
+    with pytest.raises(ToolError, match="no such file"):
+        mainline.main_tree()
 
 
 # Crash safety of apply and revert on an installed TE or a directory (issue: a killed or
