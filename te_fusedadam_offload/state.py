@@ -230,12 +230,6 @@ class State:
         return {}
 
 
-def status(target, patches=None):
-    """([(patch name, state, detail)], overall state) of the series on a target."""
-    state = State(target, patches)
-    return state.rows, state.overall
-
-
 def file_report(state, overall=None):
     """[(path, what it is)] for the upstream files the series changes: the pinned release's
     file (by its sha256 in patches/checksums), as this series makes it (from the state), and,

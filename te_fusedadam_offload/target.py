@@ -57,13 +57,11 @@ class Target:
         return [] if self.kind == "checkout" else [f"{self.subtree}/*"]
 
     def touches(self, patch):
-        """The files of this target that a patch changes."""
+        """The files of this target that a patch changes (all of them in a checkout)."""
         files = touched(patch)
-        return files if self.kind == "checkout" else [f for f in files if self.holds(f)]
-
-    def holds(self, rel):
-        """Whether the series' file `rel` is one of this kind of target."""
-        return self.kind == "checkout" or rel.startswith(self.subtree + "/")
+        if self.kind == "checkout":
+            return files
+        return [rel for rel in files if rel.startswith(self.subtree + "/")]
 
     def apply_patches(self, patches, reverse=False):
         """apply_in_order of `patches` to this target's files (see there)."""

@@ -29,13 +29,13 @@ def _release_patches(t):
 def test_apply_is_idempotent_and_revert_restores_pristine_bytes(tree, pristine):
     t = target.find_target(tree)
     assert t.kind == "tree"
-    assert state.status(t)[1] == state.NOT_APPLIED
+    assert state.State(t).overall == state.NOT_APPLIED
     assert state.file_report(state.State(t)) == [(FUSED_ADAM, "as released in TE 2.20.2")]
     count = len(_release_patches(t))
     assert count == 3  # the export, the load, the docstring fix
 
     assert f"applied {count} patch" in actions.apply(t)
-    assert state.status(t)[1] == state.APPLIED
+    assert state.State(t).overall == state.APPLIED
     assert state.file_report(state.State(t)) == [
         (FUSED_ADAM, "TE 2.20.2's, patched by this series")
     ]
@@ -86,7 +86,7 @@ def test_apply_replaces_another_version_of_the_series(tree, pristine, version):
     message = actions.apply(t)
     assert message.startswith("replaced another version of the series (reverted")
     assert "applied 3 patch(es)" in message
-    assert state.status(t)[1] == state.APPLIED
+    assert state.State(t).overall == state.APPLIED
     assert state.file_report(state.State(t)) == [
         (FUSED_ADAM, "TE 2.20.2's, patched by this series")
     ]
@@ -123,7 +123,8 @@ def test_drifted_target_is_reported_and_left_unchanged(tree):
     drift_context(tree)
     before = (tree / FUSED_ADAM).read_bytes()
     t = target.find_target(tree)
-    rows, overall = state.status(t)
+    found = state.State(t)
+    rows, overall = found.rows, found.overall
     assert overall == state.DRIFTED
     detail = [d for _, s, d in rows if s == state.DRIFTED][0]
     first_hunk = next(iter(series.hunk_headers(series.patch_files()[0]).values()))
@@ -163,7 +164,7 @@ def test_offset_applies_and_reverts_exactly(tree):
     assert rows[0][1] == drift.OFFSET and "offset 2 lines" in rows[0][2]
     t = target.find_target(tree)
     actions.apply(t)
-    assert state.status(t)[1] == state.APPLIED
+    assert state.State(t).overall == state.APPLIED
     actions.revert(t)
     assert (tree / FUSED_ADAM).read_bytes() == original
 
@@ -176,7 +177,8 @@ def test_partly_applied_target_is_completed_or_reverted(tree, pristine, way_out)
     t = target.find_target(tree)
     first, second = state.State(t).relevant[:2]
     t.patch([first])
-    rows, overall = state.status(t)
+    found = state.State(t)
+    rows, overall = found.rows, found.overall
     assert overall == state.INTERRUPTED
     states = {label: what for label, what, _ in rows}
     assert states[series.patch_label(first)] == state.APPLIED
@@ -298,7 +300,8 @@ def test_releases_before_2_17_get_the_compat_patch_first(tmp_path, version):
     t = target.find_target(site)
     assert [series.patch_label(p) for p in state.State(t).relevant][0].startswith("compat/")
     assert "applied 4 patch(es)" in actions.apply(t)
-    rows, overall = state.status(t)
+    found = state.State(t)
+    rows, overall = found.rows, found.overall
     assert overall == state.APPLIED and rows[0][:2] == ("compat/te-2.14.0-2.16.1.patch", "applied")
     patched = (site / FUSED_ADAM).read_text(encoding="utf-8")
     compile(patched, FUSED_ADAM, "exec")

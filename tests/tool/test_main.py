@@ -34,12 +34,12 @@ def test_checkout_gets_the_series_as_commits(tree, monkeypatch):
     assert "Signed-off-by: " in body
     assert "state_dict_cpu_offload" in (tree / FUSED_ADAM).read_text(encoding="utf-8")
     assert (tree / DOCS_PAGE).is_file() == (len(expected) == len(series.patch_files()))
-    assert state.status(t)[1] == state.APPLIED
+    assert state.State(t).overall == state.APPLIED
     assert actions.apply(t) == "already applied; nothing to do"
     actions.revert(t)
     assert git(["rev-parse", "HEAD"], tree).strip() == base
     assert not (tree / DOCS_PAGE).exists()
-    assert state.status(t)[1] == state.NOT_APPLIED
+    assert state.State(t).overall == state.NOT_APPLIED
 
 
 def _main_repo(tree, monkeypatch):
