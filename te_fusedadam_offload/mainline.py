@@ -61,18 +61,19 @@ def main_source(source=None):
 
 def main_archive():
     """The archive of the pinned main tree ($TE_MAIN_ARCHIVE, else upstream.json's `archive`
-    under ../shared/upstream/ beside the repository checkout), or None where there is none."""
+    under ../shared/upstream/ beside the repository checkout), or None where there is none
+    (or upstream.json pins none)."""
     archive = load_main_pin().get("archive")
+    if archive is None:
+        return None
     given = os.environ.get(ARCHIVE_ENV)
     if given:
         if not Path(given).is_file():
             raise ToolError(f"{ARCHIVE_ENV}={given}: no such file")
         return Path(given)
     root = repo_root()
-    if archive is None or root is None:
-        return None
-    path = root.parent / "shared" / "upstream" / archive["name"]
-    return path if path.is_file() else None
+    path = root.parent / "shared" / "upstream" / archive["name"] if root is not None else None
+    return path if path is not None and path.is_file() else None
 
 
 def _export(source, main):
