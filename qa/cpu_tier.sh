@@ -49,8 +49,12 @@ main_tree() {  # the pinned main tree (exported into the cache the first time), 
     python -c 'from te_fusedadam_offload.mainline import main_tree
 print(main_tree() or "")'
 }
+no_main_tree() {  # a step that failed: the checks that need the tree say so
+    echo "--- FAILED: the pinned main tree"; FAILED+=("the pinned main tree")
+    MAIN_TREE= NO_MAIN="the pinned main tree could not be made (see above)"
+}
 if ! MAIN_TREE=$(main_tree); then
-    echo "--- FAILED: the pinned main tree"; FAILED+=("the pinned main tree"); MAIN_TREE=
+    no_main_tree
 elif [ -z "$MAIN_TREE" ]; then
     read -r MAIN_REPO MAIN_COMMIT < <(python -c 'from te_fusedadam_offload.mainline import load_main_pin
 m = load_main_pin(); print(m["repository"], m["commit"])')
@@ -58,7 +62,7 @@ m = load_main_pin(); print(m["repository"], m["commit"])')
     if git init -q "$WORK/te-source" && GIT_TERMINAL_PROMPT=0 timeout 300 \
         git -C "$WORK/te-source" fetch -q --depth 1 "$MAIN_REPO" "$MAIN_COMMIT"; then
         export TE_SOURCE="$WORK/te-source"
-        MAIN_TREE=$(main_tree)
+        MAIN_TREE=$(main_tree) || no_main_tree
     else
         NO_MAIN="$(python -c 'from te_fusedadam_offload.mainline import NO_MAIN_TREE
 print(NO_MAIN_TREE)'); and $MAIN_REPO is not reachable from here"
