@@ -1,9 +1,10 @@
 """Packaging of the FusedAdam state_dict CPU offload patch series for TransformerEngine.
 
-Installs the tool in build_tools/ as the module te_fusedadam_offload (command
-te-fusedadam-offload) with the series (patches/, series.toml, upstream.json, compat/) as its data.
+Installs the tool, the package te_fusedadam_offload/ (command te-fusedadam-offload), with the
+series (patches/, series.toml, upstream.json, compat/) as its data.
 """
 
+import re
 import shutil
 from pathlib import Path
 
@@ -13,6 +14,10 @@ from setuptools.command.build_py import build_py
 HERE = Path(__file__).resolve().parent
 MODULE = "te_fusedadam_offload"
 DATA = ["upstream.json", "series.toml", "patches", "compat"]
+# The version is written once, in the package.
+VERSION = re.search(
+    r'^__version__ = "([^"]+)"', (HERE / MODULE / "__init__.py").read_text(encoding="utf-8"), re.M
+).group(1)
 
 
 class BuildWithSeries(build_py):
@@ -34,7 +39,7 @@ class BuildWithSeries(build_py):
 
 setup(
     name="te-fusedadam-offload",
-    version="0.1.0",
+    version=VERSION,
     description=(
         "FusedAdam(state_dict_cpu_offload=True) for NVIDIA TransformerEngine, as a patch "
         "series with a tool that applies, checks and reverts it"
@@ -44,7 +49,6 @@ setup(
     license="Apache-2.0",
     python_requires=">=3.10",
     packages=[MODULE],
-    package_dir={MODULE: "build_tools"},
     install_requires=['tomli>=1.1; python_version < "3.11"'],
     entry_points={"console_scripts": [f"te-fusedadam-offload={MODULE}.cli:main"]},
     cmdclass={"build_py": BuildWithSeries},

@@ -9,10 +9,10 @@
 # GPUs, writing JUnit XML. Exits non-zero on any failure.
 #   env: TE_PATH (TE's source tree; default /opt/transformerengine): a git checkout gets the
 #          series with git am if it lacks it; any other tree must hold it already (te-main/,
-#          made by 'python -m build_tools materialize --source ...', does)
+#          made by 'python -m te_fusedadam_offload materialize --source ...', does)
 #        XML_LOG_DIR (default /logs)
 #        TE_FUSEDADAM_OFFLOAD (the command; default: the installed te-fusedadam-offload,
-#          else python -m build_tools from this checkout)
+#          else python -m te_fusedadam_offload from this checkout)
 set -uo pipefail
 HERE=$(cd "$(dirname "$0")/../.." && pwd)
 cd "$HERE"
@@ -23,7 +23,7 @@ if [ -z "${TE_FUSEDADAM_OFFLOAD:-}" ]; then
     if command -v te-fusedadam-offload >/dev/null; then
         TE_FUSEDADAM_OFFLOAD=te-fusedadam-offload
     else
-        TE_FUSEDADAM_OFFLOAD="python3 -m build_tools"
+        TE_FUSEDADAM_OFFLOAD="python3 -m te_fusedadam_offload"
     fi
 fi
 

@@ -9,13 +9,13 @@
 # A kit is a directory with an install.sh that installs TE offline: bash install.sh KIT SITE
 # puts an importable transformer_engine (with its torch extension) under SITE.
 # With STACK_PREFIX=N, only the first N pull requests of the stack are applied to the installed
-# TE (with git apply; a later run without it completes the series with the tool), and TE_PATH
-# should hold TE's test files as those pull requests leave them.
+# TE (te-fusedadam-offload apply --installed --upto N; a later run without it applies the whole
+# stack), and TE_PATH should hold TE's test files as those pull requests leave them.
 #   stages: single  dist  bench  bench_omp1  export  nightly  dcp  dcp_oom  stall  stager
 # (stall: the checkpoint stall benchmark on all GPUs, STALL_ARGS its arguments; stager: the GPU
 # tests of te_fusedadam_offload.staging on all GPUs)
 # The test files are TE's, as the series changes them, from TE_PATH (default te-main, the
-# patched upstream main tree of 'python -m build_tools materialize --source ...'; carry its
+# patched upstream main tree of 'python -m te_fusedadam_offload materialize --source ...'; carry its
 # tests/pytorch to the machine). SINGLE_ARGS / DIST_ARGS add pytest arguments (e.g. -k),
 # SINGLE_TIMEOUT / DIST_TIMEOUT bound those stages in seconds.
 # Every stage logs to LOG_DIR/STAGE.log (JUnit XML and benchmark rows beside it); the script
@@ -40,14 +40,8 @@ export PYTHONPATH=$SITE${PYTHONPATH:+:$PYTHONPATH}
 python3 -m pip install -q --upgrade --no-index --no-deps --no-build-isolation --target /tmp/tool-site . \
     >>"$LOG/setup.log" 2>&1 || { tail -40 "$LOG/setup.log"; exit 1; }
 export PATH=/tmp/tool-site/bin:$PATH PYTHONPATH=$PYTHONPATH:/tmp/tool-site
-if [ -n "${STACK_PREFIX:-}" ]; then
-    mapfile -t PREFIX < <(grep -E "^[1-${STACK_PREFIX}]-" patches/series | sed 's|^|patches/|')
-    (cd "$SITE" && git apply --include='transformer_engine/*' "${PREFIX[@]/#/$OLDPWD/}") 2>&1 \
-        | tee -a "$LOG/setup.log"
-    echo "applied ${#PREFIX[@]} patches of the first $STACK_PREFIX pull request(s)" | tee -a "$LOG/setup.log"
-else
-    te-fusedadam-offload apply --installed 2>&1 | tee -a "$LOG/setup.log" || exit 1
-fi
+te-fusedadam-offload apply --installed ${STACK_PREFIX:+--upto "$STACK_PREFIX"} 2>&1 \
+    | tee -a "$LOG/setup.log" || exit 1
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | tee -a "$LOG/setup.log"
 python3 -W ignore -c "import torch, transformer_engine as t; print('torch', torch.__version__, 'te', t.__version__, 'gpus', torch.cuda.device_count())" | tee -a "$LOG/setup.log"
 

@@ -5,7 +5,7 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from build_tools.staging import CheckpointStager  # pylint: disable=wrong-import-position
+from te_fusedadam_offload.staging import CheckpointStager  # pylint: disable=wrong-import-position
 
 
 def test_cpu_tensors_pass_through_and_other_values_are_copied():

@@ -12,7 +12,8 @@ from pathlib import Path
 
 from .errors import ToolError
 from .mainline import load_main_pin
-from .series import PLACEHOLDER_IDENTITY, git, patches_dir, pr_patch_files
+from .patching import apply_all, git, touched
+from .series import PLACEHOLDER_IDENTITY, patches_dir, pr_patch_files
 
 # What TE's CI runs (qa/L0_pytorch_lint/test.sh, .pre-commit-config.yaml at the pinned main).
 PYLINT_VERSION = "3.3.1"
@@ -59,10 +60,10 @@ def lint(main_root):
         shutil.copytree(main_root, tree, ignore=shutil.ignore_patterns(".commit"))
         for pr_dir, patches in pr_patch_files():  # each pull request on top of those before
             stack += f" + {pr_dir.name}"
-            for patch in patches:
-                git(["apply", str(patch)], tree, {"GIT_CEILING_DIRECTORIES": tmp})
-                text = patch.read_text(encoding="utf-8")
-                changed.update(re.findall(r"^\+\+\+ b/(\S+\.py)$", text, re.MULTILINE))
+            apply_all(tree, patches)
+            changed.update(
+                rel for patch in patches for rel in touched(patch) if rel.endswith(".py")
+            )
             checks = [
                 ("pylint " + " ".join(PYLINT_ARGS), ["pylint", *PYLINT_ARGS]),
                 ("black " + " ".join(BLACK_ARGS[1:]), ["black", *BLACK_ARGS, *sorted(changed)]),

@@ -8,7 +8,7 @@ _REPO = Path(__file__).resolve().parent.parent
 
 def repo_root():
     """The repository checkout this tool runs from, or None when it runs installed."""
-    if (_REPO / "series.toml").is_file() and (_REPO / "build_tools").is_dir():
+    if (_REPO / "series.toml").is_file() and (_REPO / "te_fusedadam_offload").is_dir():
         return _REPO
     return None
 

@@ -1,170 +1,27 @@
-"""The series: its metadata (series.toml), its patches, and regenerating them with git."""
+"""Regenerating the series (`refresh`): the patches made with git from the edited files, and
+their comparison with patches/."""
 
 import filecmp
-import os
 import re
 import shutil
-import subprocess
 import tempfile
 from pathlib import Path
 
-try:
-    import tomllib
-except ModuleNotFoundError:  # Python 3.10
-    import tomli as tomllib
-
-from .errors import NeedsError, ToolError
-from .paths import data_file
+from .errors import ToolError
+from .patching import git
+from .series import (
+    entry_paths,
+    identity_env,
+    load_series,
+    main_paths,
+    pr_dir_name,
+    stage_dir,
+    staged_paths,
+)
 from .upstream import load_pin, pristine_tree, sha256_of
-
-# A file that several patches change: its content after each patch but the last that changes
-# it lives in <tree>/.stages/NNNN/<path> (NNNN: that patch's number), beside the final file.
-STAGES_DIR = ".stages"
-COMPAT_DIR = "compat"
 
 PLACEHOLDER_SUBJECT = "*** SUBJECT HERE ***"
 PLACEHOLDER_BLURB = "*** BLURB HERE ***"
-
-
-# The identity that the committed series carries, to be replaced by the submitter's own
-# (`pr --signoff`): a sign-off certifies the Developer Certificate of Origin for a person.
-PLACEHOLDER_IDENTITY = ("Your Name", "you@example.com")
-
-
-def load_series():
-    """series.toml as a dict: author, pr (list: the stack of pull requests, each with its
-    name, subject and body), patch (list, each naming its pull request by number)."""
-    with open(data_file("series.toml"), "rb") as f:
-        series = tomllib.load(f)
-    if not series.get("patch") or not series.get("pr"):
-        raise ToolError("series.toml lists no [[pr]] or no [[patch]]")
-    numbers = [entry.get("pr") for entry in series["patch"]]
-    if numbers != sorted(numbers) or set(numbers) != set(range(1, len(series["pr"]) + 1)):
-        raise ToolError(
-            "series.toml: each [[patch]] names its pull request (pr = 1, 2, ...), in order, "
-            "and each [[pr]] has patches"
-        )
-    return series
-
-
-def pr_dir_name(number, pr):
-    """The directory of pull request `number` (1-based) under patches/: '1-export'."""
-    return f"{number}-{pr['name']}"
-
-
-def patch_label(patch):
-    """How a patch is named in reports: its pull request's directory and its file name."""
-    patch = Path(patch)
-    if re.match(r"\d+-", patch.parent.name) or patch.parent.name == COMPAT_DIR:
-        return f"{patch.parent.name}/{patch.name}"
-    return patch.name
-
-
-def compat_patches():
-    """The compat patches (compat/*.patch, in name order): each is applied before the series
-    to the older releases whose context lines differ from the pinned release's in a way that
-    the patch mends (see its header), and never on its own."""
-    return sorted(data_file(COMPAT_DIR).glob("*.patch"))
-
-
-def stage_dir(index):
-    """The directory, relative to a tree, of the files as they are after patch `index` (0-based)."""
-    return Path(STAGES_DIR) / f"{index + 1:04d}"
-
-
-def entry_paths(entry):
-    """All files a [[patch]] entry changes: `paths` (files of the release's package, and new
-    files that this repository holds) and `main_paths` (existing files of upstream main)."""
-    return [*entry.get("paths", []), *entry.get("main_paths", [])]
-
-
-def main_paths(series=None):
-    """The existing upstream main files that the series changes, in series order."""
-    entries = (series or load_series())["patch"]
-    return list(dict.fromkeys(rel for entry in entries for rel in entry.get("main_paths", [])))
-
-
-def staged_paths(series=None):
-    """{patch index: [paths]}: the files that a later patch of the series changes again."""
-    entries = (series or load_series())["patch"]
-    staged = {}
-    for i, entry in enumerate(entries):
-        for rel in entry_paths(entry):
-            if any(rel in entry_paths(later) for later in entries[i + 1 :]):
-                staged.setdefault(i, []).append(rel)
-    return staged
-
-
-def patches_dir():
-    """The directory of the generated series."""
-    return data_file("patches")
-
-
-def patch_files(directory=None):
-    """The patches of the series, in order, as listed by patches/series (no cover letters):
-    those of the first pull request, then those of the second, ..."""
-    directory = Path(directory) if directory is not None else patches_dir()
-    series_file = directory / "series"
-    if not series_file.is_file():
-        raise ToolError(f"{series_file} is missing; run 'refresh'")
-    names = [
-        line.strip()
-        for line in series_file.read_text(encoding="utf-8").splitlines()
-        if line.strip()
-    ]
-    missing = [n for n in names if not (directory / n).is_file()]
-    if missing:
-        raise ToolError(f"{directory} lacks {', '.join(missing)} named in its series file")
-    return [directory / n for n in names]
-
-
-def git(args, cwd, env=None, check=True, input_text=None):
-    """Run git; raise ToolError with its output if it fails and `check`."""
-    full_env = dict(os.environ)
-    for key in ("GIT_DIR", "GIT_WORK_TREE", "GIT_INDEX_FILE"):
-        full_env.pop(key, None)
-    full_env.update(env or {})
-    try:
-        result = subprocess.run(
-            ["git", *args],
-            cwd=cwd,
-            env=full_env,
-            capture_output=True,
-            text=True,
-            input=input_text,
-            check=False,
-        )
-    except FileNotFoundError as exc:
-        if not shutil.which("git"):
-            raise NeedsError("git is needed but was not found on PATH; install git") from exc
-        raise
-    if check and result.returncode != 0:
-        raise ToolError(f"git {' '.join(args)} failed:\n{result.stderr.strip()}")
-    return result
-
-
-def identity_env(author):
-    """Environment for git with the series' fixed author, committer, dates and no user config."""
-    name, email, date = author["name"], author["email"], author["date"]
-    return {
-        "GIT_AUTHOR_NAME": name,
-        "GIT_AUTHOR_EMAIL": email,
-        "GIT_AUTHOR_DATE": date,
-        "GIT_COMMITTER_NAME": name,
-        "GIT_COMMITTER_EMAIL": email,
-        "GIT_COMMITTER_DATE": date,
-        "GIT_CONFIG_NOSYSTEM": "1",
-        "GIT_CONFIG_GLOBAL": os.devnull,
-        "TZ": "UTC",
-    }
-
-
-def pr_patch_files(directory=None):
-    """[(pull request directory, [its patches])] of the series, in order."""
-    groups = {}
-    for patch in patch_files(directory):
-        groups.setdefault(patch.parent, []).append(patch)
-    return list(groups.items())
 
 
 def _message(entry, author):
@@ -316,18 +173,6 @@ def _write_checksums(pristine, out_dir, source_root, series, subtree):
     (out_dir / "checksums").write_text("".join(lines), encoding="utf-8")
 
 
-def load_checksums(directory=None):
-    """{path: (pristine sha256, patched sha256)} for the upstream files the series changes."""
-    directory = Path(directory) if directory is not None else patches_dir()
-    table = {}
-    path = directory / "checksums"
-    if path.is_file():
-        for line in path.read_text(encoding="utf-8").splitlines():
-            before, after, rel = line.split(" ", 2)
-            table[rel] = (before, after)
-    return table
-
-
 def compare_dirs(expected, actual, main_paths_aside=()):
     """Names of files that differ between two series directories (missing counts). With
     `main_paths_aside` (`actual` was generated without those upstream main files), their diffs
@@ -342,8 +187,8 @@ def compare_dirs(expected, actual, main_paths_aside=()):
     def same(n):
         if not main_paths_aside:
             return filecmp.cmp(expected / n, actual / n, shallow=False)
-        return _without((expected / n).read_text(encoding="utf-8"), main_paths_aside) == (
-            _without((actual / n).read_text(encoding="utf-8"), main_paths_aside)
+        return without_paths((expected / n).read_text(encoding="utf-8"), main_paths_aside) == (
+            without_paths((actual / n).read_text(encoding="utf-8"), main_paths_aside)
         )
 
     return sorted(
@@ -356,7 +201,7 @@ def compare_dirs(expected, actual, main_paths_aside=()):
 _DIFFSTAT = re.compile(r"^ (\S.* \| +(\d+ ?[-+]*|Bin .*)|\d+ files? changed.*)$")
 
 
-def _without(text, paths):
+def without_paths(text, paths):
     """A patch's text less its diffstat lines and its sections (`diff --git` and the summary's
     `create mode` lines) of `paths`."""
     out, skipping = [], False
@@ -372,16 +217,3 @@ def _without(text, paths):
             continue
         out.append(line)
     return "".join(out)
-
-
-def hunk_headers(patch_file):
-    """{(path, old start line): hunk header} of a patch file."""
-    headers = {}
-    path = None
-    for line in Path(patch_file).read_text(encoding="utf-8").splitlines():
-        if line.startswith("+++ "):
-            path = line[4:].split("b/", 1)[-1]
-        m = re.match(r"^@@ -(\d+)(?:,\d+)? \+\d+(?:,\d+)? @@", line)
-        if m and path:
-            headers[(path, int(m.group(1)))] = line
-    return headers

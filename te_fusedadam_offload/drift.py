@@ -7,18 +7,10 @@ import tempfile
 from pathlib import Path
 
 from .errors import NeedsError
+from .patching import failure, offsets
 from .series import patch_label
-from .target import (
-    NOT_CHECKED,
-    Target,
-    _failure,
-    _version_key,
-    has_offset,
-    older_than_supported,
-    relevant_patches,
-    simulate,
-    supported_range,
-)
+from .state import NOT_CHECKED, State
+from .target import Target, older_than_supported, supported_range, version_key
 from .upstream import cache_dir, download_wheel, load_pin, sha256_of, unpack_subtree
 
 CLEAN, OFFSET, CONFLICT = "applies cleanly", "applies with offset", "conflicts"
@@ -40,28 +32,25 @@ def released_versions(package):
 def default_versions():
     """Every release the series supports (from the oldest supported on) and the newest."""
     pin = load_pin()
-    oldest = _version_key(supported_range()[0])
+    oldest = version_key(supported_range()[0])
     released = [v for v in released_versions(pin["package"]) if re.fullmatch(r"[\d.]+", v)]
-    chosen = [v for v in released if _version_key(v) >= oldest]
+    chosen = [v for v in released if version_key(v) >= oldest]
     if pin["version"] not in chosen:
         chosen.append(pin["version"])
-    return sorted(chosen, key=_version_key)
+    return sorted(chosen, key=version_key)
 
 
 def check_tree(root):
     """[(patch, result, detail)] for the series (after the compat patch that the tree needs,
     if any) against a tree holding transformer_engine/, applied in order to a scratch copy."""
-    target = Target(root, "tree")
-    relevant = relevant_patches(target)
+    state = State(Target(root, "tree"))
+    relevant = state.relevant
     rows = {patch_label(p): (NOT_CHECKED, "an earlier patch conflicts") for p in relevant}
-    for patch, result in simulate(target, relevant):
+    for patch, result in state.forward[0]:
         if result.returncode != 0:
-            rows[patch_label(patch)] = (CONFLICT, _failure(result, patch))
-        elif has_offset(result):
-            offsets = re.findall(
-                r"Hunk #\d+ succeeded at \d+ \(offset -?\d+ lines?\)", result.stderr
-            )
-            rows[patch_label(patch)] = (OFFSET, "; ".join(offsets))
+            rows[patch_label(patch)] = (CONFLICT, failure(result, patch))
+        elif offsets(result):
+            rows[patch_label(patch)] = (OFFSET, "; ".join(offsets(result)))
         else:
             rows[patch_label(patch)] = (CLEAN, "")
     return [(patch_label(p), *rows[patch_label(p)]) for p in relevant]

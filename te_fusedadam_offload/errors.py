@@ -13,6 +13,12 @@ class ToolError(Exception):
     code = EXIT_NO
 
 
+class UsageError(ToolError):
+    """Arguments that the parser cannot check: the command exits with status 2."""
+
+    code = EXIT_USAGE
+
+
 class NoTargetError(ToolError):
     """No TE where the user pointed: the command exits with status 3."""
 

@@ -1,0 +1,297 @@
+"""apply, revert and apply --dry-run on a target, from its State (state.py), found once.
+
+An installed TE or a directory gets the series' changes file by file, atomically, after the
+originals were saved (saved.py); a TE git checkout gets the series as commits (git am)."""
+
+import difflib
+import re
+import shutil
+import tempfile
+from pathlib import Path
+
+from .errors import ToolError
+from .patching import all_apply, failure, git, git_am
+from .saved import BACKUP_DIR, checked_state, modes, remove_stale_files, sha256, write_files
+from .series import compat_patches, patch_files, patch_label
+from .state import APPLIED, DRIFTED, NOT_APPLIED, State
+from .target import Target, older_than_supported, supported_range, te_version
+from .upstream import load_pin
+
+
+def apply(target, patches=None):
+    """Apply the series (or `patches`, a prefix of it); a no-op if applied. Every file is
+    replaced atomically, after the originals were saved, so an interrupted apply is completed
+    by the next one."""
+    if target.kind == "checkout":
+        return _apply_checkout(State(target, patches))
+    target.refuse_leftover()
+    remove_stale_files(target)
+    state = State(target, patches)
+    if state.saved and set(state.saved.values()) == {"original"}:
+        # Saved, but no file is patched: TE was reinstalled since, or an apply stopped before
+        # it replaced a file. Nothing to complete: start afresh.
+        state.backup.remove()
+        state = State(target, patches)
+    backup, saved = state.backup, state.saved
+    if state.from_saved:
+        if not state.this_version:
+            return _replace_other_version(state)
+        todo = [rel for rel, s in saved.items() if s == "original"]
+        if not todo:
+            return "already applied; nothing to do"
+        contents = state.after_saved()
+        file_modes = {rel: backup.state[rel]["mode"] for rel in todo}
+        write_files(target, {rel: contents[rel] for rel in todo}, file_modes, "apply")
+        return f"completed an interrupted apply ({len(todo)} file(s) written)"
+    if state.overall == APPLIED:
+        return "already applied; nothing to do"
+    if state.overall == DRIFTED or older_than_supported(te_version(target)):
+        raise ToolError(_drift_message(target, state.rows, "apply"))
+    # Not applied, or the first patches only: the files before and after the whole series.
+    originals, contents = state.before, state.after
+    current = {rel: (target.root / rel).read_bytes() for rel in {**originals, **contents}}
+    contents = {rel: data for rel, data in contents.items() if data != current[rel]}
+    originals = {rel: originals.get(rel, current[rel]) for rel in contents}
+    file_modes = modes(target, contents)
+    try:
+        backup.save(originals, file_modes, contents, state.relevant)
+    except OSError as exc:
+        shutil.rmtree(backup.dir, ignore_errors=True)  # not committed: no file was replaced
+        before = {rel: sha256(data) for rel, data in originals.items()}
+        raise ToolError(
+            f"apply stopped: {exc.strerror or exc} while saving the originals in {backup.dir}; "
+            + checked_state(target, before, contents)
+        ) from exc
+    try:
+        write_files(target, contents, file_modes, "apply")
+    except ToolError:
+        if set(backup.states().values()) == {"original"}:  # no file replaced: forget them
+            try:
+                backup.remove()
+            except OSError:
+                pass
+        raise
+    done = f"applied {len(state.relevant) - state.applied} patch(es) to {target.subtree}/"
+    if state.applied:
+        done += f" (the first {state.applied} were applied already)"
+    if saved:
+        done += " (TE was reinstalled or upgraded since the last apply: saved its files afresh)"
+    return done + _version_note(target)
+
+
+def _replace_other_version(state):
+    """The target carries another version of the series (applied by another release of this
+    tool, whose saved originals are there): put the originals back and apply this version,
+    if it applies to them; else change nothing."""
+    target, results = state.target, state.saved_results()
+    if not all_apply(results):
+        patch, result = results[-1]
+        raise ToolError(
+            f"{target.subtree}/ carries another version of this series, and this version does "
+            f"not apply to the original files saved with it ({patch_label(patch)}: "
+            f"{failure(result, patch)}); nothing was changed. 'revert' restores the originals."
+        )
+    undone = _restore_saved(state)
+    return f"replaced another version of the series ({undone}): {apply(target, state.series)}"
+
+
+def _apply_checkout(state):
+    if state.overall == APPLIED:
+        return "already applied; nothing to do"
+    if state.overall == DRIFTED:
+        raise ToolError(_drift_message(state.target, state.rows, "apply"))
+    root = state.target.root
+    if git(["status", "--porcelain", "--untracked-files=no"], root).stdout.strip():
+        raise ToolError(f"{root} has uncommitted changes; commit or stash them first")
+    git_am(root, state.series)
+    return f"applied {len(state.series)} patches as commits with git am"
+
+
+def revert(target):
+    """Take the series out again; a no-op if it is not applied. The saved originals are
+    written back with their modes; without them (a TE patched otherwise), the series is
+    reversed."""
+    if target.kind == "checkout":
+        return _revert_checkout(State(target))
+    if target.leftover:
+        shutil.rmtree(target.root / target.subtree / BACKUP_DIR)
+        if not any((target.root / target.subtree).iterdir()):
+            (target.root / target.subtree).rmdir()
+        return (
+            "TE is not installed here; removed the original files that apply had saved, left "
+            f"behind in {target.subtree}/{BACKUP_DIR}/ when TE was uninstalled"
+        )
+    remove_stale_files(target)
+    state = State(target)
+    if state.from_saved:
+        return _restore_saved(state)
+    if state.overall == NOT_APPLIED:
+        if state.saved:  # of a TE that was reinstalled or upgraded since: they restore nothing now
+            shutil.rmtree(state.backup.dir)
+            return (
+                "not applied (TE was reinstalled or upgraded since the last apply); removed the "
+                "original files saved then"
+            )
+        return "not applied; nothing to do"
+    if state.overall == DRIFTED:
+        raise ToolError(_drift_message(target, state.rows, "revert"))
+    # Applied, or the first patches only, without saved originals: reverse what is applied.
+    contents = {
+        rel: data for rel, data in state.before.items() if data != (target.root / rel).read_bytes()
+    }
+    write_files(target, contents, modes(target, contents), "revert")
+    shutil.rmtree(state.backup.dir, ignore_errors=True)  # originals of another TE, if any
+    return f"reverted {state.applied} patch(es)"
+
+
+def _restore_saved(state):
+    """Write the saved originals back over the files that are patched, and forget them."""
+    target, backup = state.target, state.backup
+    count = len(backup.patches() or state.relevant)  # how many patches made the saved state
+    todo = [rel for rel, s in state.saved.items() if s == "patched"]
+    originals = {rel: backup.original(rel) for rel in todo}
+    write_files(target, originals, {rel: backup.state[rel]["mode"] for rel in todo}, "revert")
+    try:
+        backup.remove()
+    except OSError as exc:
+        raise ToolError(
+            f"revert restored every file, but could not remove {backup.dir}: {exc}"
+        ) from exc
+    if not todo:
+        return "not applied; removed the saved originals that an interrupted run left"
+    return (
+        f"reverted {count} patch(es): restored the saved original bytes and modes "
+        f"of {len(todo)} file(s)"
+    )
+
+
+def _revert_checkout(state):
+    if state.overall == NOT_APPLIED:
+        return "not applied; nothing to do"
+    patches, root = patch_files(), state.target.root
+    subjects = [_subject(p) for p in patches]
+    log = git(["log", "--format=%s", f"-{len(patches)}"], root).stdout.splitlines()
+    if list(reversed(log)) != subjects:
+        raise ToolError(
+            "the series' commits are not the newest commits of the checkout; "
+            "revert them with git revert"
+        )
+    git(["reset", "-q", "--keep", f"HEAD~{len(patches)}"], root)
+    return f"removed the {len(patches)} commits of the series"
+
+
+def _version_note(target):
+    pin, found = load_pin(), te_version(target)
+    if found is None or found == pin["version"]:
+        return ""
+    return f" (note: found TE {found}; the series is made and tested for {pin['version']})"
+
+
+def _subject(patch):
+    """The commit title that `git am --keep-non-patch` makes of a patch."""
+    lines = Path(patch).read_text(encoding="utf-8").splitlines()
+    for i, line in enumerate(lines):
+        if line.startswith("Subject: "):
+            subject = line[len("Subject: ") :]
+            for more in lines[i + 1 :]:  # folded header lines
+                if not more.startswith((" ", "\t")):
+                    break
+                subject += more
+            return re.sub(r"^\[PATCH[^\]]*\] ", "", subject)
+    return ""
+
+
+def _drift_message(target, rows, action):
+    pin, found = load_pin(), te_version(target)
+    oldest, pinned = supported_range()
+    supported = f"TE {oldest} to {pinned}" if oldest != pinned else f"TE {pinned}"
+    pip = f"{target.python or 'python'} -m pip install"
+    if older_than_supported(found):
+        lead = (
+            f"found TE {found} at {target.root}; this series supports {supported} (made and "
+            f"tested for {pinned}): the FusedAdam code it builds on differs in older releases"
+        )
+    elif found is not None and found != pinned:
+        lead = f"found TE {found} at {target.root}; this series is made for TE {pinned}"
+    else:
+        lead = f"{target} has drifted from what the series expects (TE {pinned})"
+    if target.kind == "checkout":
+        advice = f"check out the pinned main commit {pin['main']['commit']} and run {action} again"
+    elif target.kind == "tree":
+        advice = (
+            f"put the files of a supported TE ({supported}) there, unchanged (e.g. unpack its "
+            f"release wheel), or point at such a tree, and run {action} again"
+        )
+    elif found is not None and found != pinned:
+        advice = (
+            f"install TE {pinned} ({pip} 'transformer_engine[pytorch]=={pinned}') and run "
+            f"{action} again"
+        )
+    else:
+        advice = (
+            f"its files were changed by something else: reinstall TE {pinned} ({pip} "
+            f"--force-reinstall --no-deps 'transformer_engine=={pinned}') and run {action} again"
+        )
+    lines = [f"cannot {action}: {lead}"]
+    lines += [
+        f"  {name}: {state}" + (f" ({detail})" if detail else "") for name, state, detail in rows
+    ]
+    lines.append(f"What to do: {advice}.")
+    return "\n".join(lines)
+
+
+def dry_run(target, patches=None):
+    """(what apply would say, the unified diff of what it would change): apply runs on a
+    scratch copy of the files it reads; the target is not touched."""
+    if target.kind == "checkout":
+        state = State(target, patches)
+        if state.overall == APPLIED:
+            return "already applied; nothing to do", ""
+        if state.overall == DRIFTED:
+            raise ToolError(_drift_message(target, state.rows, "apply"))
+        contents = state.after if state.overall == NOT_APPLIED else {}
+        return f"would apply {len(state.series)} patches as commits with git am", _diff(
+            target.root, contents
+        )
+    target.refuse_leftover()
+    with tempfile.TemporaryDirectory() as tmp:
+        scratch = Path(tmp)
+        package = target.root / target.subtree
+        changed = {rel for p in patch_files() + compat_patches() for rel in target.touches(p)}
+        reads = changed | {f"{target.subtree}/__init__.py"}
+        reads.update(str(m.relative_to(target.root)) for m in target.root.glob("*.dist-info/*"))
+        for rel in reads:
+            if (target.root / rel).is_file():
+                (scratch / rel).parent.mkdir(parents=True, exist_ok=True)
+                shutil.copy2(target.root / rel, scratch / rel)
+        (scratch / target.subtree).mkdir(parents=True, exist_ok=True)
+        if (package / BACKUP_DIR).is_dir():
+            shutil.copytree(package / BACKUP_DIR, scratch / target.subtree / BACKUP_DIR)
+        copy = Target(scratch, target.kind, target.python)
+        try:
+            message = apply(copy, patches).replace(str(copy.root), str(target.root))
+        except ToolError as exc:
+            raise type(exc)(str(exc).replace(str(copy.root), str(target.root))) from None
+        contents = {
+            rel: (scratch / rel).read_bytes() for rel in changed if (scratch / rel).is_file()
+        }
+        return message, _diff(target.root, contents)
+
+
+def _diff(root, contents):
+    """A unified diff (a/ and b/ paths) from the files under `root` to `contents`."""
+    out = []
+    for rel, data in sorted(contents.items()):
+        path = Path(root) / rel
+        before = path.read_bytes() if path.is_file() else b""
+        if before == data:
+            continue
+        out.extend(
+            difflib.unified_diff(
+                before.decode("utf-8").splitlines(keepends=True),
+                data.decode("utf-8").splitlines(keepends=True),
+                f"a/{rel}",
+                f"b/{rel}",
+            )
+        )
+    return "".join(out)

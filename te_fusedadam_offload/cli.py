@@ -1,0 +1,209 @@
+"""te-fusedadam-offload: the command line of the patch set; the users' commands (apply,
+status, check, revert), then the maintainers' (maintainers.py)."""
+
+import argparse
+import json
+import os
+import signal
+import sys
+import textwrap
+
+from . import __version__
+from .actions import apply, dry_run, revert
+from .errors import EXIT_NEEDS, EXIT_NO, EXIT_NO_TARGET, EXIT_USAGE, ToolError
+from .maintainers import add_commands
+from .series import stack_prefix
+from .state import APPLIED, DRIFTED, NOT_APPLIED, State, file_report, notes
+from .target import find_target, older_than_supported, te_version
+from .upstream import load_pin
+
+
+def _target(args):
+    return find_target(args.path, args.installed, args.python)
+
+
+def _print_status(state):
+    print(f"{state.target}: {state.overall}")
+    for name, what, detail in state.rows:
+        print(f"  {name}: {what}" + (f" ({detail})" if detail else ""))
+    return state.overall
+
+
+def cmd_status(args):
+    """Tell whether the series is applied, not applied, interrupted or drifted, per patch and
+    file. Exit 0 if it is applied, 1 otherwise."""
+    state = State(_target(args))
+    target = state.target
+    if args.json:
+        rows, overall = state.rows, state.overall
+        report = {
+            "target": str(target.root),
+            "kind": target.kind,
+            "te_version": te_version(target),
+            "series_for": load_pin()["version"],
+            "status": overall,
+            "patches": [
+                {"patch": name, "state": state, "detail": detail} for name, state, detail in rows
+            ],
+            "files": [{"path": rel, "state": what} for rel, what in file_report(state)],
+            "notes": notes(state, overall),
+        }
+        print(json.dumps(report, indent=2))
+    else:
+        overall = _print_status(state)
+        for rel, what in file_report(state):
+            print(f"  {rel}: {what}")
+        for note in notes(state, overall):
+            print(f"note: {note}")
+    return 0 if overall == APPLIED else 1
+
+
+def cmd_check(args):
+    """Exit 0 if the series is applied or apply would apply it (or complete it, or replace
+    another version of it), 1 if the target drifted or is a TE older than supported."""
+    state = State(_target(args))
+    overall, found = _print_status(state), te_version(state.target)
+    if overall == NOT_APPLIED and older_than_supported(found):
+        print(f"  TE {found} is older than the releases the series supports")
+        return 1
+    if overall != DRIFTED:
+        return 0
+    if state.other_version:
+        print("  another version of this series is applied; apply replaces it")
+        return 0
+    return 1
+
+
+def cmd_apply(args):
+    """Apply the series (idempotent, all or nothing); with --dry-run, show what it would
+    change and change nothing."""
+    target, patches = _target(args), stack_prefix(args.upto)
+    if args.dry_run:
+        message, diff = dry_run(target, patches)
+        sys.stdout.write(diff)
+        print(f"dry run: {target}: {message}; nothing was changed")
+        return
+    print(f"{target}: {apply(target, patches)}")
+    overall = State(target, patches).overall
+    if overall != APPLIED:
+        raise ToolError(f"after applying, the series reads as {overall}")
+
+
+def cmd_revert(args):
+    """Take the series out, restoring the exact files it changed."""
+    target = _target(args)
+    print(f"{target}: {revert(target)}")
+    for rel, what in file_report(State(target), NOT_APPLIED):
+        print(f"  {rel}: {what}")
+
+
+EXIT_CODES = f"""exit status:
+  0  success (status: the series is applied)
+  {EXIT_NO}  no: not applied or drifted (status), drifted (check), refused or stopped
+     (apply, revert: the message says what the files are), a failed check (maintainers)
+  {EXIT_USAGE}  bad arguments
+  {EXIT_NO_TARGET}  no TE where named: no such directory, no transformer_engine/ in it, none
+     installed in the Python, or only what apply saved left by an uninstall of TE
+  {EXIT_NEEDS}  something the tool needs is missing or unreachable: git, the Python of
+     --python, the package index
+  141  the reader of the output went away (status | head -1)"""
+
+
+def build_parser():
+    """The argument parser: the commands for users first, then those for maintainers of the
+    series, which work in a checkout of its repository."""
+    parser = argparse.ArgumentParser(
+        prog="te-fusedadam-offload",
+        description=(
+            "Apply, check and revert the FusedAdam state_dict_cpu_offload patch series on a\n"
+            "TransformerEngine: the one installed in this Python (the default), the one of\n"
+            "another Python (--python), a source checkout, or a directory holding\n"
+            "transformer_engine/. The commands marked [maintainers] make and check the series\n"
+            "itself; most of them work in a checkout of its repository."
+        ),
+        epilog=EXIT_CODES,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument("--version", action="version", version=__version__)
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    def add(name, func, help_text):
+        p = sub.add_parser(
+            name,
+            help=help_text,
+            description=textwrap.fill(" ".join(help_text.split()), 80),
+            epilog=EXIT_CODES,
+            formatter_class=argparse.RawDescriptionHelpFormatter,
+        )
+        p.set_defaults(func=func)
+        return p
+
+    for name, func in (
+        ("apply", cmd_apply),
+        ("status", cmd_status),
+        ("check", cmd_check),
+        ("revert", cmd_revert),
+    ):
+        p = add(name, func, func.__doc__)
+        group = p.add_mutually_exclusive_group()
+        group.add_argument(
+            "path",
+            nargs="?",
+            help="a TE source checkout or a directory holding transformer_engine/",
+        )
+        group.add_argument(
+            "--installed",
+            action="store_true",
+            help="the TE installed in this Python environment (the default without a path)",
+        )
+        group.add_argument(
+            "--python",
+            metavar="PYTHON",
+            help=(
+                "the TE installed in the environment of this Python interpreter (for a "
+                "tool installed elsewhere, e.g. with pipx): --python /path/to/venv/bin/python"
+            ),
+        )
+        if name == "apply":
+            p.add_argument(
+                "--dry-run",
+                action="store_true",
+                help="print the diff that apply would make, and change nothing",
+            )
+            p.add_argument(
+                "--upto",
+                type=int,
+                metavar="N",
+                help=(
+                    "[maintainers] only the first N pull requests of the stack (to test them "
+                    "alone, as the GPU runner's STACK_PREFIX=N does); a later apply without it "
+                    "replaces them with the whole stack"
+                ),
+            )
+        if name == "status":
+            p.add_argument("--json", action="store_true", help="print the report as JSON")
+
+    add_commands(add)
+    return parser
+
+
+def main(argv=None):
+    """Entry point; returns the exit status (EXIT_CODES)."""
+    args = build_parser().parse_args(argv)
+    try:
+        code = args.func(args) or 0
+        sys.stdout.flush()  # here, so that a closed pipe is caught below
+        return code
+    except ToolError as exc:
+        sys.stdout.flush()
+        print(f"te-fusedadam-offload {args.command}: error: {exc}", file=sys.stderr)
+        return exc.code
+    except BrokenPipeError:
+        # The reader of our output went away (`status | head -1`): stop quietly, and keep the
+        # interpreter from failing again when it flushes stdout at exit.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 128 + signal.SIGPIPE
+
+
+if __name__ == "__main__":
+    sys.exit(main())

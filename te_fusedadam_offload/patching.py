@@ -1,0 +1,102 @@
+"""git, and the two ways the tool puts patches into a tree: `git apply` of patches in turn
+(apply_in_order, for every tree the tool patches or reads) and `git am` (git_am, for a git
+repository that gets the series as commits). Nothing else runs them."""
+
+import os
+import re
+import shutil
+import subprocess
+from pathlib import Path
+
+from .errors import NeedsError, ToolError
+from .series import hunk_headers, patch_label
+
+
+def git(args, cwd, env=None, check=True, input_text=None):
+    """Run git; raise ToolError with its output if it fails and `check`."""
+    full_env = dict(os.environ)
+    for key in ("GIT_DIR", "GIT_WORK_TREE", "GIT_INDEX_FILE"):
+        full_env.pop(key, None)
+    full_env.update(env or {})
+    try:
+        result = subprocess.run(
+            ["git", *args],
+            cwd=cwd,
+            env=full_env,
+            capture_output=True,
+            text=True,
+            input=input_text,
+            check=False,
+        )
+    except FileNotFoundError as exc:
+        if not shutil.which("git"):
+            raise NeedsError("git is needed but was not found on PATH; install git") from exc
+        raise
+    if check and result.returncode != 0:
+        raise ToolError(f"git {' '.join(args)} failed:\n{result.stderr.strip()}")
+    return result
+
+
+def touched(patch):
+    """The files a patch changes (its `+++ b/` paths), in its order."""
+    prefix = "+++ b/"
+    lines = Path(patch).read_text(encoding="utf-8").splitlines()
+    return [line[len(prefix) :] for line in lines if line.startswith(prefix)]
+
+
+def apply_in_order(root, patches, include=(), reverse=False, check=False):
+    """git apply (or, with `reverse`, git apply -R) each of `patches` in turn to the files under
+    `root`, never to a repository around it; `include` restricts them to those paths (git
+    apply --include patterns). Yields (patch, git apply -v's result) after each, so that the
+    caller can read the tree in between, and stops at the first that does not apply; with
+    `check`, that one raises ToolError (where it stops, and why) instead."""
+    env = {"GIT_CEILING_DIRECTORIES": str(Path(root).resolve().parent)}
+    args = ["apply", "-v", *(f"--include={pattern}" for pattern in include)]
+    args += ["-R"] if reverse else []
+    for patch in patches:
+        result = git([*args, str(patch)], root, env, check=False)
+        if result.returncode != 0 and check:
+            raise ToolError(f"{patch_label(patch)}: {failure(result, patch)}")
+        yield patch, result
+        if result.returncode != 0:
+            return
+
+
+def apply_all(root, patches, include=()):
+    """apply_in_order(..., check=True) to the end: the number of patches applied."""
+    return sum(1 for _ in apply_in_order(root, patches, include, check=True))
+
+
+def all_apply(results):
+    """Whether every (patch, result) of apply_in_order applied."""
+    return all(result.returncode == 0 for _, result in results)
+
+
+def failure(result, patch):
+    """Where a patch stopped applying: file, line and hunk."""
+    headers = hunk_headers(patch)
+    for line in result.stderr.splitlines():
+        m = re.match(r"error: patch failed: (.+):(\d+)$", line)
+        if m:
+            path, start = m.group(1), int(m.group(2))
+            return f"{path}: hunk {headers.get((path, start), f'at line {start}')} does not apply"
+        m = re.match(r"error: (.+): No such file or directory$", line)
+        if m:
+            return f"{m.group(1)}: missing"
+    return result.stderr.strip() or "does not apply"
+
+
+def offsets(result):
+    """The hunks that git apply -v applied at another line than the patch says."""
+    return re.findall(r"Hunk #\d+ succeeded at \d+ \(offset -?\d+ lines?\)", result.stderr)
+
+
+def git_am(repo, patches, env=None, what="git am"):
+    """`git am --keep-non-patch` of `patches` in the git repository `repo` (the option keeps
+    the `[PyTorch]` title prefixes); if one does not apply, the am is aborted and ToolError
+    says `what` failed, with git's output."""
+    result = git(["am", "--keep-non-patch", *map(str, patches)], repo, env, check=False)
+    if result.returncode != 0:
+        git(["am", "--abort"], repo, env, check=False)
+        output = (result.stdout + result.stderr).strip()
+        raise ToolError(f"{what} failed and was aborted:\n{output}")

@@ -1,0 +1,284 @@
+"""What the series is on a target, found once per command: the one answer to "is it applied?".
+
+A State reads the digests that apply saved in state.json where they are there and were made by
+this series (the patches it records, or the series applied to the saved originals, give
+them); only without them does it apply the patches, in series order, to a scratch copy of the
+target's files (forward: not applied; backward: applied). Each part is found when it is
+first asked for, and once: the rows and overall state that status prints, which patches the
+target takes (the compat patch its release needs first, if any), the files before and after
+the series that apply and revert write, and whether another version of the series is there.
+"""
+
+import shutil
+import tempfile
+from functools import cached_property
+from pathlib import Path
+
+from .errors import ToolError
+from .patching import all_apply, failure, offsets
+from .saved import Backup, file_digest, patch_ids, sha256
+from .series import compat_patches, load_checksums, patch_files, patch_label
+from .target import Target, te_version
+from .upstream import load_pin
+
+APPLIED, NOT_APPLIED, DRIFTED = "applied", "not applied", "drifted"
+INTERRUPTED = "interrupted"
+NOT_FOR_TARGET = "not for this target"
+NOT_CHECKED = "not checked"
+
+
+def simulate(target, patches, reverse=False, originals=None, contents=None):
+    """git apply (or, with `reverse`, git apply -R) `patches` in turn to a scratch copy of the
+    files they change, stopping at the first that fails; [(patch, git apply's result)]. Later
+    patches of the series may change what earlier ones changed, so only this order tells
+    whether each applies. The target is not touched. `originals` ({path: bytes}) stand in for
+    the target's files; if all patches apply, `contents` (a dict) gets {path: bytes} of the
+    files after them (those that are there: not a new file after its patch is reversed)."""
+    files = list(dict.fromkeys(rel for patch in patches for rel in target.touches(patch)))
+    with tempfile.TemporaryDirectory() as tmp:
+        scratch = Path(tmp) / "target"
+        (scratch / target.subtree).mkdir(parents=True)
+        for rel in files:
+            src, dst = target.root / rel, scratch / rel
+            dst.parent.mkdir(parents=True, exist_ok=True)
+            if originals is not None and rel in originals:
+                dst.write_bytes(originals[rel])
+            elif src.is_file():
+                shutil.copyfile(src, dst)
+        results = list(Target(scratch, target.kind).apply_patches(patches, reverse))
+        if contents is not None and all_apply(results):
+            files = [rel for rel in files if (scratch / rel).is_file()]
+            contents.update({rel: (scratch / rel).read_bytes() for rel in files})
+    return results
+
+
+class State:
+    """The series (`patches`, default: all of it) on a target, found once."""
+
+    def __init__(self, target, patches=None):
+        self.target = target
+        self.series = list(patch_files() if patches is None else patches)
+        self.backup = Backup(target)
+        self.saved = self.backup.states()  # {path: "original" | "patched" | "other"} or None
+        # The saved originals are the files before the series while the target's files are
+        # those or patched; then the recorded patches, if they are this series', say which
+        # patches the target takes, else the variant that applies to the originals.
+        self.from_saved = bool(self.saved) and "other" not in self.saved.values()
+        recorded = self.backup.patches() if self.from_saved else None
+        self.recorded = next((v for v in self.variants if patch_ids(v) == recorded), None)
+        self.applied = 0  # how many of `relevant` the simulation found applied
+        self.before = {}  # {path: bytes}: the files before `relevant`, where it found them
+        self.after = {}  # and after the whole of `relevant`
+
+    @cached_property
+    def variants(self):
+        """The lists of patches the target may take: the series' patches that change its
+        files, then, for each compat patch that changes them too, that patch and the series.
+        A compat patch makes a file of an older release read like the pinned one, so a patched
+        file cannot tell which variant made it: the files before the series decide."""
+        chosen = [p for p in self.series if self.target.touches(p)]
+        compat = [c for c in compat_patches() if self.target.touches(c)] if chosen else []
+        return [chosen] + [[c, *chosen] for c in compat]
+
+    @cached_property
+    def _variant(self):
+        """(relevant, git apply's results, the files after them): the recorded patches; else
+        the first variant that applies to the files before the series (the saved originals
+        where they count, else the target's files); if none applies, the series alone, as a
+        drifted target is reported against the series itself."""
+        if self.recorded is not None:
+            return self.recorded, None, None
+        originals = self.backup.originals() if self.from_saved else None
+        first = None
+        for variant in self.variants:
+            contents = {}
+            results = simulate(self.target, variant, originals=originals, contents=contents)
+            if all_apply(results):
+                return variant, results, contents
+            first = first or (variant, results, contents)
+        return first
+
+    @property
+    def relevant(self):
+        """The patches this target takes, in order (after the compat patch, if any)."""
+        return self._variant[0]
+
+    @cached_property
+    def forward(self):
+        """(results, contents after) of `relevant` applied to the target's files."""
+        if not self.from_saved:  # the variant was chosen on the target's files
+            return self._variant[1:]
+        contents = {}
+        return simulate(self.target, self.relevant, contents=contents), contents
+
+    @cached_property
+    def this_version(self):
+        """Whether the saved "patched" digests are this series': the saved patches are, or
+        this series applied to the saved originals gives those digests."""
+        if self.recorded is not None or not self.from_saved:
+            return self.recorded is not None
+        _, results, contents = self._variant
+        return (
+            all_apply(results)
+            and set(contents) == set(self.saved)
+            and all(self.backup.state[rel]["patched"] == sha256(d) for rel, d in contents.items())
+        )
+
+    @property
+    def other_version(self):
+        """Whether the target carries another version of the series (with its saved
+        originals) that this one applies to: apply replaces it."""
+        if self.target.kind == "checkout" or not self.from_saved or self.this_version:
+            return False
+        return all_apply(self._variant[1])
+
+    def saved_results(self):
+        """git apply's results of this series on the saved originals (not this version)."""
+        return self._variant[1]
+
+    def after_saved(self):
+        """{path: bytes}: this series applied to the saved originals."""
+        if self._variant[2] is not None:
+            return self._variant[2]
+        contents = {}
+        simulate(self.target, self.relevant, originals=self.backup.originals(), contents=contents)
+        return contents
+
+    @property
+    def rows(self):
+        """[(patch name, state, detail)] for the series' patches (and the compat patch)."""
+        return self._report[0]
+
+    @property
+    def overall(self):
+        """applied, not applied, interrupted or drifted."""
+        return self._report[1]
+
+    @cached_property
+    def _report(self):
+        target = self.target
+        target.refuse_leftover()
+        relevant = self.relevant
+        if not relevant:
+            raise ToolError(f"no patch of the series changes anything in {target}")
+        patches = [p for p in relevant if p not in self.series] + self.series
+        rows = {
+            patch_label(p): (NOT_FOR_TARGET, "tests and docs go to source checkouts only")
+            for p in patches
+        }
+
+        def report(overall):
+            return [(patch_label(p), *rows[patch_label(p)]) for p in patches], overall
+
+        saved = set((self.saved or {}).values())
+        if saved == {"original", "patched"}:
+            for patch in relevant:
+                rows[patch_label(patch)] = (
+                    INTERRUPTED,
+                    (
+                        "an apply or revert was interrupted: run apply to complete the series, or "
+                        "revert"
+                    ),
+                )
+            return report(INTERRUPTED)
+        if saved == {"patched"} and self.this_version:
+            rows.update({patch_label(p): (APPLIED, "") for p in relevant})
+            return report(APPLIED)
+        forward, self.after = self.forward
+        if all_apply(forward):
+            for patch, result in forward:
+                rows[patch_label(patch)] = (NOT_APPLIED, "with offset" if offsets(result) else "")
+            return report(NOT_APPLIED)
+        if all_apply(simulate(target, relevant[::-1], True, contents=self.before)):
+            self.applied = len(relevant)
+            rows.update({patch_label(p): (APPLIED, "") for p in relevant})
+            return report(APPLIED)
+        self.applied = self._applied_prefix()
+        if self.applied:  # the series is in part (an earlier version of this tool was stopped)
+            for i, patch in enumerate(relevant):
+                rows[patch_label(patch)] = (APPLIED if i < self.applied else NOT_APPLIED, "")
+            return report(INTERRUPTED)
+        for patch in relevant:  # where applying it stops, and why
+            rows[patch_label(patch)] = (NOT_CHECKED, "an earlier patch does not apply")
+        for patch, result in forward:
+            rows[patch_label(patch)] = (
+                (NOT_APPLIED, "") if result.returncode == 0 else (DRIFTED, failure(result, patch))
+            )
+        return report(DRIFTED)
+
+    def _applied_prefix(self):
+        """k if exactly the first k (0 < k < all) of `relevant` are applied to the target, else
+        0; with `before` and `after` the files before and after the whole of `relevant`."""
+        relevant = self.relevant
+        for k in range(len(relevant) - 1, 0, -1):
+            before, after = {}, {}
+            if all_apply(simulate(self.target, relevant[:k][::-1], True, contents=before)):
+                if all_apply(simulate(self.target, relevant[k:], contents=after)):
+                    self.before, self.after = before, after
+                    return k
+        return 0
+
+    def patched_files(self, overall):
+        """{path: sha256 of its original} of the files that are as this series makes them."""
+        if self.this_version:
+            entries = self.backup.state
+            return {
+                rel: entries[rel]["original"] for rel, s in self.saved.items() if s == "patched"
+            }
+        if overall == APPLIED:
+            return {rel: sha256(data) for rel, data in self.before.items()}
+        return {}
+
+
+def file_report(state, overall=None):
+    """[(path, what it is)] for the upstream files the series changes: the pinned release's
+    file (by its sha256 in patches/checksums), as this series makes it (from the state), and,
+    where it is neither (as on another TE version), by what the series does to it (`overall`,
+    default: the state's)."""
+    target = state.target
+    if target.leftover:
+        return [(rel, "missing (TE was uninstalled)") for rel in sorted(load_checksums())]
+    overall = overall or state.overall
+    pinned, found = load_pin()["version"], te_version(target)
+    other = found if found and found != pinned else None
+    patched = state.patched_files(overall)
+    report = []
+    for rel, (released, _) in sorted(load_checksums().items()):
+        digest = file_digest(target.root / rel)
+        if digest is None:
+            report.append((rel, "missing"))
+        elif digest == released:
+            report.append((rel, f"as released in TE {pinned}"))
+        elif rel in patched:
+            of = pinned if patched[rel] == released else other or "of another version"
+            report.append((rel, f"TE {of}'s, patched by this series"))
+        elif (state.saved or {}).get(rel) == "patched" and state.other_version:
+            report.append((rel, "patched by another version of this series; apply replaces it"))
+        elif overall == NOT_APPLIED:
+            report.append((rel, f"as released in TE {other}" if other else "not patched"))
+        else:
+            report.append(
+                (
+                    rel,
+                    f"neither as released in TE {pinned} nor as this series patches that"
+                    + (f"; the TE here is {other}" if other else "")
+                    + ": edited, patched by something else, or of a release that the series "
+                    "does not apply to",
+                )
+            )
+    return report
+
+
+def notes(state, overall):
+    """What the user should know beyond the state: TE reinstalled or upgraded over an apply."""
+    saved = state.saved
+    if overall != NOT_APPLIED or not saved or "patched" in saved.values():
+        return []
+    then = (state.backup.meta or {}).get("te_version")
+    now = te_version(state.target)
+    change = f" (TE {then} then, TE {now} now)" if then and now and then != now else ""
+    return [
+        f"the series was applied here and is not now{change}: TE was reinstalled or upgraded "
+        "since (which undoes it), or an apply was stopped before it changed a file. Run apply "
+        "again; it is idempotent: run it after every install or upgrade of TE"
+    ]

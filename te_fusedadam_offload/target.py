@@ -1,0 +1,148 @@
+"""The TE that a command works on: where it is, what kind of target it is, which TE release it
+holds, and the releases the series supports."""
+
+import json
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+from .errors import NeedsError, NoTargetError
+from .patching import apply_all, apply_in_order, touched
+from .upstream import load_pin
+
+BACKUP_DIR = ".te_fusedadam_offload"  # in <root>/<subtree>/: the saved originals (saved.py)
+
+
+class Target:
+    """A directory holding `transformer_engine/` and how to patch it.
+
+    kind "installed" or "tree": the upstream files of the series are patched in place with
+    `git apply` (tests and docs are not part of an installed package). kind "checkout": a
+    git checkout of TE, which gets the whole series as commits with `git am`.
+    """
+
+    def __init__(self, root, kind, python=None):
+        self.root = Path(root).resolve()
+        self.kind = kind
+        self.python = python  # the interpreter whose installed TE this is (kind "installed")
+        self.subtree = load_pin()["subtree"]
+        if not (self.root / self.subtree).is_dir():
+            hint = ""
+            if self.root.name == self.subtree:
+                hint = f"; pass the directory that holds it, {self.root.parent}"
+            raise NoTargetError(f"{self.root} holds no {self.subtree}/ directory{hint}")
+        package = self.root / self.subtree
+        # What `pip uninstall` leaves of a patched TE: the saved originals, which pip does
+        # not know about, and nothing else of TE.
+        self.leftover = not (package / "__init__.py").exists() and (package / BACKUP_DIR).is_dir()
+
+    def __str__(self):
+        return f"{self.kind} TE at {self.root}"
+
+    def refuse_leftover(self):
+        """Raise NoTargetError if TE was uninstalled from here and only the saved originals
+        are left."""
+        if self.leftover:
+            raise NoTargetError(
+                f"no TE at {self.root}: {self.subtree}/ holds only {BACKUP_DIR}/, the original "
+                "files that apply saved, left behind when TE was uninstalled (pip removes only "
+                "the files it installed); 'revert' removes it, or: rm -r "
+                f"{self.root / self.subtree / BACKUP_DIR}"
+            )
+
+    @property
+    def include(self):
+        """The paths of a patch that this target holds (git apply --include patterns)."""
+        return [] if self.kind == "checkout" else [f"{self.subtree}/*"]
+
+    def touches(self, patch):
+        """The files of this target that a patch changes (all of them in a checkout)."""
+        files = touched(patch)
+        if self.kind == "checkout":
+            return files
+        return [rel for rel in files if rel.startswith(self.subtree + "/")]
+
+    def apply_patches(self, patches, reverse=False):
+        """apply_in_order of `patches` to this target's files (see there)."""
+        return apply_in_order(self.root, patches, self.include, reverse)
+
+    def patch(self, patches):
+        """git apply the patches that change this target's files, in turn, in place: for
+        scratch copies that the tool makes itself (materialize), not for a user's TE. Returns
+        how many applied; raises ToolError at the first that does not."""
+        return apply_all(self.root, [p for p in patches if self.touches(p)], self.include)
+
+
+def te_version(target):
+    """The TE version of a target, or None if it does not say: the package metadata beside an
+    installed TE, or build_tools/VERSION.txt (TE's own) of a source checkout."""
+    for meta in sorted(target.root.glob(f"{target.subtree}-*.dist-info/METADATA")):
+        found = re.search(r"^Version: *(\S+)", meta.read_text(encoding="utf-8"), re.MULTILINE)
+        if found:
+            return found.group(1)
+    version_file = target.root / "build_tools" / "VERSION.txt"
+    if version_file.is_file():
+        return version_file.read_text(encoding="utf-8").strip()
+    return None
+
+
+def version_key(version):
+    """(major, minor, patch) of a release string such as '2.16.1' or '2.20.0.dev0'."""
+    numbers = [int(n) for n in re.findall(r"\d+", version)[:3]]
+    return tuple(numbers + [0] * (3 - len(numbers)))
+
+
+def supported_range():
+    """(oldest, pinned): the releases from `oldest` on are supported; `pinned` is the one the
+    series is made and tested for."""
+    pin = load_pin()
+    return pin.get("supported", {}).get("oldest", pin["version"]), pin["version"]
+
+
+def older_than_supported(version):
+    """Whether a TE version is older than the oldest release the series supports."""
+    return version is not None and version_key(version) < version_key(supported_range()[0])
+
+
+# Where the TE that a Python imports lives; run from "/", so that the current directory
+# (a checkout with transformer_engine/ in it) does not decide it. Nothing is imported.
+_FIND_TE = (
+    "import importlib.util, json; s = importlib.util.find_spec('transformer_engine'); "
+    "print(json.dumps(list(s.submodule_search_locations or []) if s else []))"
+)
+
+
+def _installed_location(python):
+    """The directory holding the transformer_engine/ that `python` imports, or None."""
+    try:
+        result = subprocess.run(
+            [python, "-c", _FIND_TE], cwd="/", capture_output=True, text=True, check=False
+        )
+    except OSError as exc:
+        raise NeedsError(f"cannot run the Python {python}: {exc.strerror or exc}") from exc
+    if result.returncode != 0:
+        raise NeedsError(f"the Python {python} failed: {result.stderr.strip()[-500:]}")
+    locations = json.loads(result.stdout.strip().splitlines()[-1])
+    return Path(locations[0]).parent if locations else None
+
+
+def find_target(path=None, installed=False, python=None):
+    """The target named by a path, or the TE that this Python (or `python`) imports."""
+    if installed or python is not None or path is None:
+        python = python or sys.executable
+        root = _installed_location(python)
+        if root is None:
+            where = "this Python environment" if python == sys.executable else python
+            raise NoTargetError(
+                f"transformer_engine is not installed in {where} "
+                "(pass the path of a TE tree instead)"
+            )
+        return Target(root, "installed", python)
+    root = Path(path)
+    if not root.exists():
+        raise NoTargetError(f"{root} does not exist")
+    if not root.is_dir():
+        raise NoTargetError(f"{root} is not a directory")
+    kind = "checkout" if (root / ".git").exists() else "tree"
+    return Target(root, kind)

@@ -1,0 +1,313 @@
+"""apply, status, check and revert on a directory holding the release (in process and as
+commands): the state, the files, other versions and releases."""
+
+import json
+import shutil
+
+import pytest
+from support import (
+    FUSED_ADAM,
+    drift_context,
+    file_state,
+    git,
+    listing,
+    offset_hunks,
+    run_tool,
+    same_tree,
+    site_of_release,
+)
+
+from te_fusedadam_offload import actions, cli, drift, saved, series, state, target, upstream
+from te_fusedadam_offload.errors import ToolError
+
+
+def _release_patches(t):
+    """The patches of the series that change files of the release's package."""
+    return [p for p in series.patch_files() if t.touches(p)]
+
+
+def test_apply_is_idempotent_and_revert_restores_pristine_bytes(tree, pristine):
+    t = target.find_target(tree)
+    assert t.kind == "tree"
+    assert state.State(t).overall == state.NOT_APPLIED
+    assert state.file_report(state.State(t)) == [(FUSED_ADAM, "as released in TE 2.20.2")]
+    count = len(_release_patches(t))
+    assert count == 3  # the export, the load, the docstring fix
+
+    assert f"applied {count} patch" in actions.apply(t)
+    assert state.State(t).overall == state.APPLIED
+    assert state.file_report(state.State(t)) == [
+        (FUSED_ADAM, "TE 2.20.2's, patched by this series")
+    ]
+    assert "state_dict_cpu_offload" in (tree / FUSED_ADAM).read_text(encoding="utf-8")
+    assert actions.apply(t) == "already applied; nothing to do"
+
+    assert f"reverted {count} patch" in actions.revert(t)
+    assert same_tree(tree / "transformer_engine", pristine / "transformer_engine")
+    assert actions.revert(t) == "not applied; nothing to do"
+
+
+def _record_saved(tree, key, path, version="earlier"):
+    """Set the saved state's digest `key` ("original" or "patched") of fused_adam.py to that
+    of the file at `path`, as another version of the tool saves it: an earlier one does not
+    record the patches, a later one records its own."""
+    state_file = tree / "transformer_engine" / target.BACKUP_DIR / saved.STATE_FILE
+    meta = json.loads(state_file.read_text(encoding="utf-8"))
+    meta["files"][FUSED_ADAM][key] = upstream.sha256_of(path)
+    if version == "earlier":
+        meta.pop("patches", None)
+    else:
+        meta["patches"] = [[label, "0" * 64] for label, _ in meta["patches"]]
+    state_file.write_text(json.dumps(meta), encoding="utf-8")
+
+
+def _as_other_version(tree, old, new, version="earlier"):
+    """Make an applied tree look patched by another version of the series: other patched
+    bytes (`old` replaced by `new`), recorded as such in the saved state."""
+    path = tree / FUSED_ADAM
+    data = path.read_bytes()
+    assert old in data
+    path.write_bytes(data.replace(old, new))
+    _record_saved(tree, "patched", path, version)
+
+
+@pytest.mark.parametrize("version", ["earlier", "later"])
+def test_apply_replaces_another_version_of_the_series(tree, pristine, version):
+    """A TE patched by another version of the series (another release of the tool, whose
+    saved originals are there) gets this version from apply; revert then restores it."""
+    t = target.find_target(tree)
+    actions.apply(t)
+    _as_other_version(tree, b"_OFFLOAD_MAX_BUFFERS = 16", b"_OFFLOAD_MAX_BUFFERS = 8", version)
+    report = dict(state.file_report(state.State(t)))
+    assert report[FUSED_ADAM] == "patched by another version of this series; apply replaces it"
+    assert state.State(t).other_version
+    assert cli.main(["check", str(tree)]) == 0
+
+    message = actions.apply(t)
+    assert message.startswith("replaced another version of the series (reverted")
+    assert "applied 3 patch(es)" in message
+    assert state.State(t).overall == state.APPLIED
+    assert state.file_report(state.State(t)) == [
+        (FUSED_ADAM, "TE 2.20.2's, patched by this series")
+    ]
+    assert actions.apply(t) == "already applied; nothing to do"
+    actions.revert(t)
+    assert same_tree(tree / "transformer_engine", pristine / "transformer_engine")
+
+
+def test_other_version_on_other_originals_is_left_unchanged(tree):
+    """If this version does not apply to the originals saved by another version (another TE
+    release), apply raises and changes nothing; revert still restores those originals."""
+    t = target.find_target(tree)
+    actions.apply(t)
+    _as_other_version(tree, b"_OFFLOAD_MAX_BUFFERS = 16", b"_OFFLOAD_MAX_BUFFERS = 8")
+    backup = tree / "transformer_engine" / target.BACKUP_DIR
+    original = backup / "original" / FUSED_ADAM
+    drifted = original.read_bytes().replace(
+        b"from itertools import chain", b"from itertools import chain  # x"
+    )
+    original.write_bytes(drifted)
+    _record_saved(tree, "original", original)
+    before = {p: p.read_bytes() for p in sorted(tree.rglob("*")) if p.is_file()}
+
+    assert not state.State(t).other_version
+    assert cli.main(["check", str(tree)]) == 1
+    with pytest.raises(ToolError, match="another version of this series.*nothing was changed"):
+        actions.apply(t)
+    assert {p: p.read_bytes() for p in sorted(tree.rglob("*")) if p.is_file()} == before
+    assert "restored the saved original bytes" in actions.revert(t)
+    assert (tree / FUSED_ADAM).read_bytes() == drifted
+
+
+def test_drifted_target_is_reported_and_left_unchanged(tree):
+    drift_context(tree)
+    before = (tree / FUSED_ADAM).read_bytes()
+    t = target.find_target(tree)
+    found = state.State(t)
+    rows, overall = found.rows, found.overall
+    assert overall == state.DRIFTED
+    detail = [d for _, s, d in rows if s == state.DRIFTED][0]
+    first_hunk = next(iter(series.hunk_headers(series.patch_files()[0]).values()))
+    assert FUSED_ADAM in detail and first_hunk in detail
+    assert state.file_report(state.State(t)) == [
+        (
+            FUSED_ADAM,
+            (
+                "neither as released in TE 2.20.2 nor as this series patches that: edited, patched "
+                "by something else, or of a release that the series does not apply to"
+            ),
+        )
+    ]
+    with pytest.raises(ToolError, match="drifted"):
+        actions.apply(t)
+    with pytest.raises(ToolError, match="drifted"):
+        actions.revert(t)
+    assert (tree / FUSED_ADAM).read_bytes() == before
+    assert cli.main(["check", str(tree)]) == 1
+
+
+def test_failed_apply_changes_nothing(tree, series_home, two_file_patches):
+    """A series whose second patch does not apply (to the second file that the first patch
+    changes) leaves every file as it was."""
+    first, second = two_file_patches
+    series_home(first, second.replace(" # Patched by the first patch.", " # Patched otherwise."))
+    snapshot = {p: p.read_bytes() for p in (tree / "transformer_engine").rglob("*.py")}
+    with pytest.raises(ToolError, match="drifted"):
+        actions.apply(target.find_target(tree))
+    assert {p: p.read_bytes() for p in (tree / "transformer_engine").rglob("*.py")} == snapshot
+
+
+def test_offset_applies_and_reverts_exactly(tree):
+    offset_hunks(tree)
+    original = (tree / FUSED_ADAM).read_bytes()
+    rows = drift.check_tree(tree)
+    assert rows[0][1] == drift.OFFSET and "offset 2 lines" in rows[0][2]
+    t = target.find_target(tree)
+    actions.apply(t)
+    assert state.State(t).overall == state.APPLIED
+    actions.revert(t)
+    assert (tree / FUSED_ADAM).read_bytes() == original
+
+
+@pytest.mark.parametrize("way_out", ["apply", "revert"])
+def test_partly_applied_target_is_completed_or_reverted(tree, pristine, way_out):
+    """Only the first of the two patches that change fused_adam.py applied (as an interrupted
+    earlier version of the tool left it): reported as interrupted, with the patch that is in;
+    apply completes the series, revert takes the first patch out."""
+    t = target.find_target(tree)
+    first, second = state.State(t).relevant[:2]
+    t.patch([first])
+    found = state.State(t)
+    rows, overall = found.rows, found.overall
+    assert overall == state.INTERRUPTED
+    states = {label: what for label, what, _ in rows}
+    assert states[series.patch_label(first)] == state.APPLIED
+    assert states[series.patch_label(second)] == state.NOT_APPLIED
+    assert cli.main(["check", str(tree)]) == 0
+    if way_out == "apply":
+        assert "the first 1 were applied already" in actions.apply(t)
+        assert state.file_report(state.State(t)) == [
+            (FUSED_ADAM, "TE 2.20.2's, patched by this series")
+        ]
+    actions.revert(t)
+    assert same_tree(tree / "transformer_engine", pristine / "transformer_engine")
+
+
+def test_status_json(tree):
+    assert run_tool(["apply", str(tree)]).returncode == 0
+    result = run_tool(["status", "--json", str(tree)])
+    assert result.returncode == 0
+    report = json.loads(result.stdout)
+    assert report["status"] == "applied" and report["kind"] == "tree"
+    assert report["target"] == str(tree.resolve())
+    assert report["series_for"] == upstream.load_pin()["version"]
+    states = {row["patch"]: row["state"] for row in report["patches"]}
+    assert list(states.values()).count("applied") == 3
+    assert report["files"] == [{"path": FUSED_ADAM, "state": "TE 2.20.2's, patched by this series"}]
+    assert report["notes"] == []
+
+
+def test_apply_dry_run_shows_the_diff_and_changes_nothing(tree, tmp_path):
+    before = listing(tree), (tree / FUSED_ADAM).read_bytes()
+    result = run_tool(["apply", "--dry-run", str(tree)])
+    assert result.returncode == 0, result.stderr
+    assert (listing(tree), (tree / FUSED_ADAM).read_bytes()) == before
+    diff, _, summary = result.stdout.rpartition("dry run: ")
+    assert summary.startswith(f"tree TE at {tree.resolve()}: applied 3 patch(es)")
+    assert summary.rstrip().endswith("; nothing was changed")
+    # The diff is what apply writes: applied to a copy, it gives the same bytes.
+    copy = tmp_path / "copy"
+    shutil.copytree(tree, copy)
+    (tmp_path / "dry.diff").write_text(diff)
+    git(["apply", str(tmp_path / "dry.diff")], copy)
+    assert run_tool(["apply", str(tree)]).returncode == 0
+    assert (copy / FUSED_ADAM).read_bytes() == (tree / FUSED_ADAM).read_bytes()
+    result = run_tool(["apply", "--dry-run", str(tree)])
+    assert (
+        result.stdout
+        == f"dry run: tree TE at {tree.resolve()}: already applied; nothing "
+        "to do; nothing was changed\n"
+    )
+
+
+def test_apply_upto_applies_the_first_pull_requests(tree, pristine, tmp_path):
+    """apply --upto 1 (a maintainers' option, for the GPU runner's STACK_PREFIX=1): the first
+    pull request alone, as its patches make the file; the whole stack then reads as
+    interrupted, and apply without it applies the whole stack."""
+    result = run_tool(["apply", "--upto", "1", str(tree)])
+    assert result.returncode == 0, result.stderr
+    assert "applied 2 patch(es)" in result.stdout
+    expected = tmp_path / "pr1"
+    shutil.copytree(pristine / "transformer_engine", expected / "transformer_engine")
+    assert target.Target(expected, "tree").patch(series.pr_patch_files()[0][1]) == 2
+    assert (tree / FUSED_ADAM).read_bytes() == (expected / FUSED_ADAM).read_bytes()
+    result = run_tool(["apply", "--upto", "1", str(tree)])
+    assert result.stdout.endswith("already applied; nothing to do\n"), result.stdout
+    result = run_tool(["status", str(tree)])
+    assert result.returncode == 1 and ": interrupted\n" in result.stdout
+    result = run_tool(["apply", str(tree)])
+    assert result.returncode == 0 and "applied 3 patch(es)" in result.stdout, result.stderr
+    assert file_state(tree) == "patched"
+    assert run_tool(["revert", str(tree)]).returncode == 0
+    assert same_tree(tree / "transformer_engine", pristine / "transformer_engine")
+    result = run_tool(["apply", "--upto", "3", str(tree)])
+    assert result.returncode == 2 and "give --upto 1 to 2" in result.stderr
+
+
+@pytest.mark.network
+def test_release_older_than_supported_is_refused_with_the_range(tmp_path):
+    site = site_of_release("2.13.0", tmp_path)
+    before = (site / FUSED_ADAM).read_bytes()
+    pin = upstream.load_pin()["version"]
+    for command in ("apply", "status", "check"):
+        result = run_tool([command, str(site)])
+        assert result.returncode == 1, command
+    result = run_tool(["apply", str(site)])
+    assert (
+        f"found TE 2.13.0 at {site}; this series supports TE 2.14.0 to {pin} (made and tested "
+        f"for {pin}): the FusedAdam code it builds on differs in older releases"
+        in result.stderr
+    )
+    assert f"{FUSED_ADAM}: hunk" in result.stderr
+    assert "What to do: put the files of a supported TE (TE 2.14.0 to" in result.stderr
+    assert (site / FUSED_ADAM).read_bytes() == before
+
+
+@pytest.mark.network
+def test_other_te_version_that_applies_gets_a_note(tmp_path):
+    site = site_of_release("2.19.0", tmp_path)
+    before = (site / FUSED_ADAM).read_bytes()
+    result = run_tool(["apply", str(site)])
+    assert result.returncode == 0, result.stderr
+    assert "note: found TE 2.19.0; the series is made and tested for" in result.stdout
+    # status agrees with apply: this series, on 2.19.0's file (not "another version").
+    result = run_tool(["status", str(site)])
+    assert result.returncode == 0
+    assert f"  {FUSED_ADAM}: TE 2.19.0's, patched by this series\n" in result.stdout
+    assert "another version" not in result.stdout
+    assert run_tool(["apply", str(site)]).stdout.endswith("already applied; nothing to do\n")
+    assert run_tool(["revert", str(site)]).returncode == 0
+    assert (site / FUSED_ADAM).read_bytes() == before
+
+
+@pytest.mark.network
+@pytest.mark.parametrize("version", ["2.14.0", "2.16.1"])
+def test_releases_before_2_17_get_the_compat_patch_first(tmp_path, version):
+    """TE 2.14.0 to 2.16.1 (the ends of the range; drift covers each release): the compat
+    patch, then the series; revert gives back the release's exact bytes."""
+    site = site_of_release(version, tmp_path)
+    before = (site / FUSED_ADAM).read_bytes()
+    t = target.find_target(site)
+    assert [series.patch_label(p) for p in state.State(t).relevant][0].startswith("compat/")
+    assert "applied 4 patch(es)" in actions.apply(t)
+    found = state.State(t)
+    rows, overall = found.rows, found.overall
+    assert overall == state.APPLIED and rows[0][:2] == ("compat/te-2.14.0-2.16.1.patch", "applied")
+    patched = (site / FUSED_ADAM).read_text(encoding="utf-8")
+    compile(patched, FUSED_ADAM, "exec")
+    assert "from ..constants import DType, TE_DType_To_Torch\n" in patched
+    assert state.file_report(state.State(t), overall) == [
+        (FUSED_ADAM, f"TE {version}'s, patched by this series")
+    ]
+    actions.revert(t)
+    assert (site / FUSED_ADAM).read_bytes() == before

@@ -1,0 +1,221 @@
+"""The command line as users meet it: targets, exit statuses, messages, help, and how much
+git work each command does."""
+
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import zipfile
+from pathlib import Path
+
+import pytest
+from support import FUSED_ADAM, REPO, drift_context, git, listing, release_wheel, run_tool, tool_env
+
+import te_fusedadam_offload
+from te_fusedadam_offload import series, target, upstream
+
+
+def _run_cli(args, pythonpath, cwd, tool_home):
+    return run_tool(args, cwd, pythonpath=os.pathsep.join([str(pythonpath), str(tool_home)]))
+
+
+def test_installed_target_inside_an_unrelated_git_repo(tree, tmp_path, tool_home):
+    """--installed finds the TE that Python imports; a repository around it is ignored."""
+    outer = tmp_path / "project"
+    site = outer / ".venv" / "site-packages"
+    shutil.move(str(tree / "transformer_engine"), site / "transformer_engine")
+    git(["init", "-q"], outer)
+    result = _run_cli(["apply", "--installed"], site, outer, tool_home)
+    assert result.returncode == 0, result.stderr
+    assert f"installed TE at {site}" in result.stdout
+    result = _run_cli(["status", "--installed"], site, outer, tool_home)
+    assert "installed TE at" in result.stdout and ": applied" in result.stdout
+    assert _run_cli(["revert"], site, outer, tool_home).returncode == 0
+    assert upstream.sha256_of(site / FUSED_ADAM) == series.load_checksums()[FUSED_ADAM][0]
+
+
+def test_state_is_found_once(tree, tmp_path):
+    """Counted with a git on PATH that logs its calls: apply on a fresh TE applies each patch
+    once to a scratch copy (3 patches: 3 git processes), and after it, apply, status and check
+    read the digests that apply saved (none)."""
+    log, wrapper = tmp_path / "git.log", tmp_path / "bin" / "git"
+    wrapper.parent.mkdir()
+    wrapper.write_text(f'#!/bin/sh\necho "$*" >> "{log}"\nexec "{shutil.which("git")}" "$@"\n')
+    wrapper.chmod(0o755)
+
+    def git_processes(*args, code=0):
+        log.write_text("")
+        path = f"{wrapper.parent}{os.pathsep}{os.environ['PATH']}"
+        pythonpath = os.pathsep.join([str(tree), str(REPO)])
+        result = run_tool([*args, "--installed"], tmp_path, pythonpath=pythonpath, PATH=path)
+        assert result.returncode == code, result.stderr
+        return len(log.read_text().splitlines())
+
+    counts = {"status (fresh)": git_processes("status", code=1)}
+    counts["apply"] = git_processes("apply")
+    for command in ("apply", "status", "check"):
+        counts[f"{command} (applied)"] = git_processes(command)
+    assert counts["status (fresh)"] <= 3 and counts["apply"] <= 5, counts
+    assert max(counts[f"{c} (applied)"] for c in ("apply", "status", "check")) <= 3, counts
+
+
+def test_no_installed_te_is_a_clear_error(tmp_path, tool_home):
+    result = _run_cli(["status", "--installed"], tmp_path, tmp_path, tool_home)
+    assert result.returncode == 3
+    assert "transformer_engine is not installed" in result.stderr
+
+
+def test_status_and_check_exit_codes(tree):
+    assert run_tool(["status", str(tree)]).returncode == 1  # not applied
+    assert run_tool(["check", str(tree)]).returncode == 0  # applies
+    assert run_tool(["apply", str(tree)]).returncode == 0
+    assert run_tool(["status", str(tree)]).returncode == 0  # applied
+    assert run_tool(["check", str(tree)]).returncode == 0
+    assert run_tool(["revert", str(tree)]).returncode == 0
+    drift_context(tree)
+    assert run_tool(["status", str(tree)]).returncode == 1
+    assert run_tool(["check", str(tree)]).returncode == 1  # drifted
+    assert run_tool(["status", "--bogus"]).returncode == 2
+
+
+def test_missing_git_is_one_line(tree):
+    result = run_tool(["status", str(tree)], PATH="/nonexistent")
+    assert result.returncode == 4
+    assert result.stderr.strip().splitlines() == [
+        "te-fusedadam-offload status: error: git is needed but was not found on PATH; install git"
+    ]
+
+
+def test_closed_pipe_ends_quietly(tree):
+    with subprocess.Popen(
+        [sys.executable, "-m", "te_fusedadam_offload", "status", str(tree)],
+        env=tool_env(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+    ) as proc:
+        proc.stdout.close()  # as `| head -0` does, before anything is printed
+        stderr = proc.stderr.read().decode()
+        assert proc.wait() == 128 + signal.SIGPIPE
+    assert stderr == ""
+
+
+def test_the_module_runs_from_a_te_checkout(tmp_path):
+    """A TE checkout has a build_tools/ package of its own: it does not shadow the tool."""
+    (tmp_path / "build_tools").mkdir()
+    (tmp_path / "build_tools" / "__init__.py").write_text("")
+    result = run_tool(["--version"], cwd=tmp_path)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == te_fusedadam_offload.__version__
+
+
+def test_the_package_directory_itself_gets_a_hint(tree):
+    result = run_tool(["status", str(tree / "transformer_engine")])
+    assert result.returncode == 3
+    assert f"pass the directory that holds it, {tree}" in result.stderr
+
+
+def test_exit_status_tells_no_target_from_no(tree, tmp_path):
+    """3: nothing to work on where named; 4: something the tool needs is missing; 1: the
+    answer is no (not applied, drifted)."""
+    (tmp_path / "file").write_text("")
+    for args in (
+        ["status", str(tmp_path / "missing")],
+        ["apply", str(tmp_path / "file")],
+        ["check", str(tmp_path)],  # no transformer_engine/ in it
+    ):
+        result = run_tool(args)
+        assert result.returncode == 3, (args, result.stderr)
+        assert len(result.stderr.strip().splitlines()) == 1
+    result = run_tool(["status", "--python", str(tmp_path / "no-python")])
+    assert result.returncode == 4 and "cannot run the Python" in result.stderr
+    assert run_tool(["status", str(tree)]).returncode == 1
+    drift_context(tree)
+    assert run_tool(["apply", str(tree)]).returncode == 1
+
+
+def test_help_lists_the_user_commands_first():
+    out = run_tool(["--help"]).stdout
+    listed = re.findall(r"^    (\S+)", out, re.MULTILINE)
+    assert listed[:4] == ["apply", "status", "check", "revert"]
+    for name in ("fetch", "materialize", "refresh", "drift", "check-main", "lint", "pr"):
+        assert re.search(rf"^    {name}\s+\[maintainers\]", out, re.MULTILINE), name
+    assert "exit status:" in out and "  3  no TE where named" in out
+
+
+def test_drift_message_keeps_its_parentheses_and_fits_a_directory(tree):
+    drift_context(tree)
+    message = run_tool(["apply", str(tree)]).stderr
+    assert ": not checked (an earlier patch does not apply)" in message
+    assert ": not for this target (tests and docs go to source checkouts only)" in message
+    assert "pip install" not in message  # a directory, not an installed TE
+    assert "What to do: put the files of a supported TE" in message
+
+
+def _venv_with_te(root, version):
+    """A real virtualenv (with pip) where TE `version` is installed from its release wheel."""
+    subprocess.run([sys.executable, "-m", "venv", str(root)], check=True)
+    _pip(root, "install", "--no-deps", "--no-index", str(release_wheel(version)))
+    return root / "bin" / "python"
+
+
+def _pip(venv, *args):
+    subprocess.run(
+        [str(venv / "bin" / "python"), "-m", "pip", "-q", *args],
+        check=True,
+        env=dict(os.environ, PIP_DISABLE_PIP_VERSION_CHECK="1"),
+    )
+
+
+@pytest.mark.network
+def test_pip_uninstall_reinstall_and_upgrade_of_a_patched_te(tmp_path, tool_home):
+    """--python names another environment's TE. pip uninstall leaves only the saved originals:
+    a clear error (3), and revert removes them; reinstalled, apply applies (nothing was
+    interrupted); upgraded over an apply, status says so and apply applies again."""
+    venv = tmp_path / "venv"
+    python = _venv_with_te(venv, "2.20.2")
+    site = Path(
+        subprocess.run(
+            [str(python), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+            capture_output=True,
+            text=True,
+            check=True,
+        ).stdout.strip()
+    )
+
+    def tool(*args):
+        return run_tool([*args, "--python", str(python)], cwd=tmp_path, pythonpath=tool_home)
+
+    result = tool("apply")
+    assert result.returncode == 0 and f"installed TE at {site}: applied 3" in result.stdout
+    _pip(venv, "uninstall", "-y", "transformer_engine")
+    assert listing(site / "transformer_engine")[0] == target.BACKUP_DIR
+    result = tool("status")
+    assert result.returncode == 3
+    assert "left behind when TE was uninstalled" in result.stderr
+    result = tool("revert")
+    assert (
+        result.returncode == 0
+        and "removed the original files that apply had saved" in result.stdout
+    )
+    assert not (site / "transformer_engine").exists()
+
+    _pip(venv, "install", "--no-deps", "--no-index", str(release_wheel("2.20.2")))
+    result = tool("apply")
+    assert result.returncode == 0 and ": applied 3 patch(es)" in result.stdout, result.stdout
+    _pip(venv, "install", "--no-deps", "--no-index", str(release_wheel("2.19.0")))
+    result = tool("status")
+    assert result.returncode == 1
+    assert ": not applied\n" in result.stdout
+    assert (
+        "note: the series was applied here and is not now (TE 2.20.2 then, TE 2.19.0 now)"
+        in result.stdout
+    )
+    result = tool("apply")
+    assert "TE was reinstalled or upgraded since the last apply" in result.stdout
+    assert tool("status").returncode == 0
+    assert tool("revert").returncode == 0
+    with zipfile.ZipFile(release_wheel("2.19.0")) as zf:
+        assert (site / FUSED_ADAM).read_bytes() == zf.read(FUSED_ADAM)
+    assert not (site / "transformer_engine" / target.BACKUP_DIR).exists()

@@ -1,0 +1,173 @@
+"""Crash safety of apply and revert on an installed TE or a directory: a killed or failing run
+must leave every file as it was or as the series makes it, say truly what it left, and leave
+a way out."""
+
+import errno
+import os
+import signal
+
+import pytest
+from support import FUSED_ADAM, FUSED_SGD, file_state, run_tool, same_tree
+
+
+# The files apply writes: the saved original, the state file, then fused_adam.py; each is
+# "write" (half written) then "replace" (written and synced, not yet renamed over).
+APPLY_POINTS = [f"{point}#{n}" for n in (1, 2, 3) for point in ("write", "replace")]
+
+# revert writes fused_adam.py back, then removes the saved originals ("unlink").
+REVERT_POINTS = ["write#1", "replace#1", "unlink#1"]
+
+
+def _assert_way_out(tree, pristine, mode):
+    """apply then completes the series, and revert gives back every original byte and mode,
+    with nothing of the tool left behind."""
+    result = run_tool(["apply", str(tree)])
+    assert result.returncode == 0, result.stderr
+    assert file_state(tree) == "patched" and (tree / FUSED_ADAM).stat().st_mode & 0o7777 == mode
+    result = run_tool(["revert", str(tree)])
+    assert result.returncode == 0, result.stderr
+    assert same_tree(tree / "transformer_engine", pristine / "transformer_engine")
+    assert (tree / FUSED_ADAM).stat().st_mode & 0o7777 == mode
+
+
+@pytest.mark.parametrize("point", APPLY_POINTS)
+def test_apply_killed_at_any_point(tree, pristine, point):
+    mode = (tree / FUSED_ADAM).stat().st_mode & 0o7777
+    result = run_tool(["apply", str(tree)], fault=f"{point}:kill")
+    assert result.returncode == -signal.SIGKILL, result.stderr
+    assert file_state(tree) in ("pristine", "patched")
+    assert (tree / FUSED_ADAM).stat().st_mode & 0o7777 == mode
+    status = run_tool(["status", str(tree)])
+    assert status.returncode in (0, 1) and "drifted" not in status.stdout
+    _assert_way_out(tree, pristine, mode)
+
+
+@pytest.mark.parametrize("point", REVERT_POINTS)
+def test_revert_killed_at_any_point(tree, pristine, point):
+    (tree / FUSED_ADAM).chmod(0o640)
+    assert run_tool(["apply", str(tree)]).returncode == 0
+    result = run_tool(["revert", str(tree)], fault=f"{point}:kill")
+    assert result.returncode == -signal.SIGKILL, result.stderr
+    assert file_state(tree) in ("pristine", "patched")
+    _assert_way_out(tree, pristine, 0o640)
+    # and revert alone is a way out too
+    assert run_tool(["apply", str(tree)]).returncode == 0
+    assert run_tool(["revert", str(tree)], fault=f"{point}:kill").returncode == -signal.SIGKILL
+    assert run_tool(["revert", str(tree)]).returncode == 0
+    assert same_tree(tree / "transformer_engine", pristine / "transformer_engine")
+
+
+@pytest.mark.parametrize("error", ["enospc", "eio"])
+@pytest.mark.parametrize(
+    "command,point",
+    [("apply", p) for p in APPLY_POINTS] + [("revert", p) for p in REVERT_POINTS],
+)
+def test_disk_errors_are_reported_truthfully(tree, pristine, command, point, error):
+    if command == "revert":
+        assert run_tool(["apply", str(tree)]).returncode == 0
+    before = file_state(tree)
+    result = run_tool([command, str(tree)], fault=f"{point}:{error}")
+    assert result.returncode == 1
+    assert os.strerror(errno.ENOSPC if error == "enospc" else errno.EIO) in result.stderr
+    assert "Traceback" not in result.stderr
+    assert file_state(tree) in ("pristine", "patched")
+    if "nothing was changed" in result.stderr:
+        assert file_state(tree) == before
+    _assert_way_out(tree, pristine, 0o644)
+
+
+@pytest.mark.parametrize("mode", [0o444, 0o600, 0o755])
+def test_modes_are_kept(tree, pristine, mode):
+    """A read-only (or otherwise moded) file keeps its mode through apply and revert."""
+    (tree / FUSED_ADAM).chmod(mode)
+    _assert_way_out(tree, pristine, mode)
+
+
+# The same with a series whose patches change two files of the release (the first patch both,
+# the second the second again), so that a run can stop between them.
+TWO_FILES = (FUSED_ADAM, FUSED_SGD)
+
+
+@pytest.fixture
+def two_files(series_home, two_file_patches):
+    """The tool's home (for PYTHONPATH, and the directory to run it in) with the two-file series
+    as its series."""
+    return series_home(*two_file_patches)
+
+
+def _tool(args, home, **env):
+    """The command line of the tool in `home`, run there."""
+    return run_tool(args, cwd=home, pythonpath=home, **env)
+
+
+def _two_states(tree, home):
+    return [file_state(tree, rel, home / "patches") for rel in TWO_FILES]
+
+
+def _apply_killed_between_the_files(tree, home):
+    """apply writes the two originals, state.json, then fused_adam.py and fused_sgd.py: kill
+    it as the second file is half written."""
+    result = _tool(["apply", str(tree)], home, fault="write#5:kill")
+    assert result.returncode == -signal.SIGKILL, result.stderr
+    assert _two_states(tree, home) == ["patched", "pristine"]
+
+
+def test_an_apply_stopped_between_two_files_reads_as_interrupted_and_apply_completes_it(
+    tree, pristine, two_files
+):
+    _apply_killed_between_the_files(tree, two_files)
+    result = _tool(["status", str(tree)], two_files)
+    assert result.returncode == 1 and f"TE at {tree.resolve()}: interrupted\n" in result.stdout
+    assert "  1-synthetic/0002-synthetic.patch: interrupted (an apply or revert" in result.stdout
+    assert f"  {FUSED_ADAM}: TE 2.20.2's, patched by this series\n" in result.stdout
+    assert f"  {FUSED_SGD}: as released in TE 2.20.2\n" in result.stdout
+    assert _tool(["check", str(tree)], two_files).returncode == 0
+    result = _tool(["apply", str(tree)], two_files)
+    assert result.stdout.endswith("completed an interrupted apply (1 file(s) written)\n")
+    assert _two_states(tree, two_files) == ["patched", "patched"]
+    assert _tool(["status", str(tree)], two_files).returncode == 0
+    result = _tool(["revert", str(tree)], two_files)
+    assert "reverted 2 patch(es): restored the saved original bytes and modes of 2 file(s)" in (
+        result.stdout
+    )
+    assert same_tree(tree / "transformer_engine", pristine / "transformer_engine")
+
+
+def test_revert_of_an_apply_stopped_between_two_files_restores_the_one_written(
+    tree, pristine, two_files
+):
+    _apply_killed_between_the_files(tree, two_files)
+    result = _tool(["revert", str(tree)], two_files)
+    assert result.returncode == 0, result.stderr
+    assert "restored the saved original bytes and modes of 1 file(s)" in result.stdout
+    assert same_tree(tree / "transformer_engine", pristine / "transformer_engine")
+
+
+@pytest.mark.parametrize("command, point", [("apply", "write#5"), ("revert", "write#2")])
+def test_a_failure_after_a_file_was_written_says_which(tree, pristine, two_files, command, point):
+    """The second file's write fails (a full disk) after the first file was replaced: the
+    message says what each file is, read back, and not that nothing was changed."""
+    if command == "revert":
+        assert _tool(["apply", str(tree)], two_files).returncode == 0
+    result = _tool([command, str(tree)], two_files, fault=f"{point}:enospc")
+    assert result.returncode == 1
+    assert "nothing was changed" not in result.stderr
+    assert (
+        f"{command} stopped: {os.strerror(errno.ENOSPC)} while writing "
+        f"{tree.resolve() / FUSED_SGD}; checked: {FUSED_ADAM}: written, {FUSED_SGD}: as "
+        "before; run apply again to complete the series, or revert to undo it\n"
+        in result.stderr
+    )
+    assert _tool(["apply", str(tree)], two_files).returncode == 0
+    assert _two_states(tree, two_files) == ["patched", "patched"]
+    assert _tool(["revert", str(tree)], two_files).returncode == 0
+    assert same_tree(tree / "transformer_engine", pristine / "transformer_engine")
+
+
+def test_a_failure_before_any_file_was_written_says_nothing_was_changed(tree, two_files):
+    result = _tool(["apply", str(tree)], two_files, fault="write#4:eio")
+    assert result.returncode == 1
+    assert result.stderr.rstrip().endswith(
+        f"while writing {tree.resolve() / FUSED_ADAM}; nothing was changed (checked)"
+    )
+    assert _two_states(tree, two_files) == ["pristine", "pristine"]
