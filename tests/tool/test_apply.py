@@ -7,6 +7,7 @@ import shutil
 import pytest
 from support import (
     FUSED_ADAM,
+    FUSED_SGD,
     added_constant,
     drift_context,
     file_state,
@@ -156,10 +157,16 @@ def test_drifted_target_is_reported_and_left_unchanged(tree):
 
 def test_failed_apply_changes_nothing(tree, series_home, two_file_patches):
     """A series whose second patch does not apply (to the second file that the first patch
-    changes) leaves every file as it was."""
+    changes) leaves every file as it was, and status says that the first applies and where
+    the second stops (one git apply of both leaves the first applied: the patches are then
+    tried in turn on a fresh copy)."""
     first, second = two_file_patches
     series_home(first, second.replace(" # Patched by the first patch.", " # Patched otherwise."))
     snapshot = {p: p.read_bytes() for p in (tree / "transformer_engine").rglob("*.py")}
+    found = state.State(target.find_target(tree))
+    assert found.overall == state.DRIFTED
+    assert [row[1] for row in found.rows] == [state.NOT_APPLIED, state.DRIFTED]
+    assert f"{FUSED_SGD}: hunk @@" in found.rows[1][2]
     with pytest.raises(ToolError, match="drifted"):
         actions.apply(target.find_target(tree))
     assert {p: p.read_bytes() for p in (tree / "transformer_engine").rglob("*.py")} == snapshot

@@ -47,9 +47,11 @@ def test_installed_target_inside_an_unrelated_git_repo(tree, tmp_path, tool_home
 
 
 def test_state_is_found_once(tree, tmp_path):
-    """Counted with a git on PATH that logs its calls: apply on a fresh TE applies each patch
-    once to a scratch copy (3 patches: 3 git processes), and after it, apply, status and check
-    read the digests that apply saved (none)."""
+    """Counted with a git on PATH that logs its calls, against the issue's bounds (apply on a
+    fresh TE: 5 git processes at most; status on it, and apply, status and check after the
+    apply: 3): on a fresh TE, status and apply try the patches on a scratch copy in one git
+    apply (1 process, however many patches change the release's files), and after the apply,
+    apply, status and check read the digests that it saved (none)."""
     log, wrapper = tmp_path / "git.log", tmp_path / "bin" / "git"
     wrapper.parent.mkdir()
     wrapper.write_text(f'#!/bin/sh\necho "$*" >> "{log}"\nexec "{shutil.which("git")}" "$@"\n')
