@@ -1,6 +1,7 @@
-"""git, and the two ways the tool puts patches into a tree: `git apply` of patches in turn
-(apply_in_order, for every tree the tool patches or reads) and `git am` (git_am, for a git
-repository that gets the series as commits). Nothing else runs them."""
+"""git, and the ways the tool puts patches into a tree: `git apply` of patches in turn
+(apply_in_order, for every tree the tool patches or reads), or of all of them in one git
+process (apply_at_once, which the scratch copies of state.py try first), and `git am`
+(git_am, for a git repository that gets the series as commits). Nothing else runs them."""
 
 import os
 import re
@@ -44,15 +45,20 @@ def touched(patch):
     return [line[len(prefix) :] for line in lines if line.startswith(prefix)]
 
 
+def _apply_args(root, include, reverse):
+    """The environment and arguments of git apply (-v) on the files under `root`."""
+    env = {"GIT_CEILING_DIRECTORIES": str(Path(root).resolve().parent)}
+    args = ["apply", "-v", *(f"--include={pattern}" for pattern in include)]
+    return env, args + (["-R"] if reverse else [])
+
+
 def apply_in_order(root, patches, include=(), reverse=False, check=False):
     """git apply (or, with `reverse`, git apply -R) each of `patches` in turn to the files under
     `root`, never to a repository around it; `include` restricts them to those paths (git
     apply --include patterns). Yields (patch, git apply -v's result) after each, so that the
     caller can read the tree in between, and stops at the first that does not apply; with
     `check`, that one raises ToolError (where it stops, and why) instead."""
-    env = {"GIT_CEILING_DIRECTORIES": str(Path(root).resolve().parent)}
-    args = ["apply", "-v", *(f"--include={pattern}" for pattern in include)]
-    args += ["-R"] if reverse else []
+    env, args = _apply_args(root, include, reverse)
     for patch in patches:
         result = git([*args, str(patch)], root, env, check=False)
         if result.returncode != 0 and check:
@@ -60,6 +66,25 @@ def apply_in_order(root, patches, include=(), reverse=False, check=False):
         yield patch, result
         if result.returncode != 0:
             return
+
+
+def apply_at_once(root, patches, include=(), reverse=False):
+    """One git apply (or git apply -R) of all of `patches`, in order, to the files under
+    `root`: the list of what apply_in_order yields, where this one run tells it: for one
+    patch, its result; for several, if every patch applies and no hunk at an offset (each
+    patch's result then has no output of its own). Else None, and the files under `root` are
+    as git left them: git applies each patch file before it reads the next, so those before
+    the one that does not apply are applied. A caller that needs to know which patch does
+    not apply, or where the offsets are, applies them in turn to a fresh copy."""
+    if not patches:
+        return []
+    env, args = _apply_args(root, include, reverse)
+    result = git([*args, *map(str, patches)], root, env, check=False)
+    if len(patches) == 1:  # the very git apply that apply_in_order runs
+        return [(patches[0], result)]
+    if result.returncode != 0 or offsets(result):
+        return None
+    return [(patch, subprocess.CompletedProcess(result.args, 0, "", "")) for patch in patches]
 
 
 def apply_all(root, patches, include=()):

@@ -27,25 +27,37 @@ NOT_FOR_TARGET = "not for this target"
 NOT_CHECKED = "not checked"
 
 
+def _scratch_copy(target, files, originals, scratch):
+    """A Target at `scratch` holding a copy of the target's `files` (or their `originals`)."""
+    (scratch / target.subtree).mkdir(parents=True)
+    for rel in files:
+        src, dst = target.root / rel, scratch / rel
+        dst.parent.mkdir(parents=True, exist_ok=True)
+        if originals is not None and rel in originals:
+            dst.write_bytes(originals[rel])
+        elif src.is_file():
+            shutil.copyfile(src, dst)
+    return Target(scratch, target.kind)
+
+
 def simulate(target, patches, reverse=False, originals=None, contents=None):
     """git apply (or, with `reverse`, git apply -R) `patches` in turn to a scratch copy of the
     files they change, stopping at the first that fails; [(patch, git apply's result)]. Later
     patches of the series may change what earlier ones changed, so only this order tells
-    whether each applies. The target is not touched. `originals` ({path: bytes}) stand in for
-    the target's files; if all patches apply, `contents` (a dict) gets {path: bytes} of the
-    files after them (those that are there: not a new file after its patch is reversed)."""
+    whether each applies. They are tried in one git process first (apply_at_once); where that
+    does not tell each patch's result (one of several does not apply, or a hunk applies at
+    an offset), they are applied one by one to a fresh copy. The target is not touched.
+    `originals` ({path: bytes}) stand in for the target's files; if all patches apply,
+    `contents` (a dict) gets {path: bytes} of the files after them (those that are there:
+    not a new file after its patch is reversed)."""
     files = list(dict.fromkeys(rel for patch in patches for rel in target.touches(patch)))
     with tempfile.TemporaryDirectory() as tmp:
-        scratch = Path(tmp) / "target"
-        (scratch / target.subtree).mkdir(parents=True)
-        for rel in files:
-            src, dst = target.root / rel, scratch / rel
-            dst.parent.mkdir(parents=True, exist_ok=True)
-            if originals is not None and rel in originals:
-                dst.write_bytes(originals[rel])
-            elif src.is_file():
-                shutil.copyfile(src, dst)
-        results = list(Target(scratch, target.kind).apply_patches(patches, reverse))
+        copy = _scratch_copy(target, files, originals, Path(tmp) / "at-once")
+        results = copy.apply_patches_at_once(patches, reverse)
+        if results is None:  # the copy holds what git left of it: start again from the target
+            copy = _scratch_copy(target, files, originals, Path(tmp) / "in-turn")
+            results = list(copy.apply_patches(patches, reverse))
+        scratch = copy.root
         if contents is not None and all_apply(results):
             files = [rel for rel in files if (scratch / rel).is_file()]
             contents.update({rel: (scratch / rel).read_bytes() for rel in files})

@@ -8,7 +8,7 @@ import sys
 from pathlib import Path
 
 from .errors import NeedsError, NoTargetError
-from .patching import apply_all, apply_in_order, touched
+from .patching import apply_all, apply_at_once, apply_in_order, touched
 from .upstream import load_pin
 
 BACKUP_DIR = ".te_fusedadam_offload"  # in <root>/<subtree>/: the saved originals (saved.py)
@@ -66,6 +66,10 @@ class Target:
     def apply_patches(self, patches, reverse=False):
         """apply_in_order of `patches` to this target's files (see there)."""
         return apply_in_order(self.root, patches, self.include, reverse)
+
+    def apply_patches_at_once(self, patches, reverse=False):
+        """apply_at_once of `patches` to this target's files (see there)."""
+        return apply_at_once(self.root, patches, self.include, reverse)
 
     def patch(self, patches):
         """git apply the patches that change this target's files, in turn, in place: for

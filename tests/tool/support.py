@@ -3,6 +3,7 @@ command line in a subprocess, git, and changes to a TE tree."""
 
 import filecmp
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -15,6 +16,28 @@ REPO = Path(__file__).resolve().parents[2]
 FUSED_ADAM = "transformer_engine/pytorch/optimizers/fused_adam.py"
 FUSED_SGD = "transformer_engine/pytorch/optimizers/fused_sgd.py"
 DOCS_PAGE = "docs/features/other_optimizations/fused_adam_state_dict_offload.rst"
+
+
+def release_patches(patches=None):
+    """The patches (default: those that patches/series lists) that change files under the
+    release's package, transformer_engine/, read from the patch files themselves: the
+    patches that apply writes to an installed TE."""
+    subtree = re.escape(upstream.load_pin()["subtree"])
+    return [
+        patch
+        for patch in (series.patch_files() if patches is None else patches)
+        if re.search(rf"^diff --git a/{subtree}/", patch.read_text(encoding="utf-8"), re.M)
+    ]
+
+
+def added_constant(patched, released):
+    """A module-level constant that the series adds to a file: the first line `_NAME = value`
+    of `patched` (the file's bytes as the series makes it) that `released` lacks."""
+    pattern = rb"^_[A-Z][A-Z0-9_]* = .+$"
+    before = set(re.findall(pattern, released, re.M))
+    added = [line for line in re.findall(pattern, patched, re.M) if line not in before]
+    assert added, "the series adds no module-level constant (_NAME = value) to the file"
+    return added[0]
 
 
 def same_tree(a, b):

@@ -109,18 +109,22 @@ def test_the_main_tree_comes_from_the_pinned_archive(tmp_path, monkeypatch):
 
 
 @pytest.mark.skipif(mainline.main_tree() is None, reason=mainline.NO_MAIN_TREE)
-def test_materialize_writes_the_stages_of_main_files_changed_twice(tmp_path):
-    """Both pull requests extend test_fused_optimizer.py: .stages/0002/ holds it as the first
-    pull request leaves it, the pinned main file with patch 2 applied."""
+def test_materialize_writes_the_stages_of_main_files_changed_several_times(tmp_path):
+    """Several patches extend test_fused_optimizer.py: .stages/NNNN/ holds it as the first
+    patch that changes it leaves it (NNNN: that patch's number), the pinned main file with that
+    patch applied."""
     rel = "tests/pytorch/test_fused_optimizer.py"
-    assert rel in series.staged_paths()[1]
+    entries = series.load_series()["patch"]
+    first = next(i for i, entry in enumerate(entries) if rel in series.entry_paths(entry))
+    assert rel in series.staged_paths()[first]
     maintainers.materialize(tmp_path / "m")
     scratch = tmp_path / "main"
     (scratch / rel).parent.mkdir(parents=True)
     shutil.copyfile(mainline.main_tree() / rel, scratch / rel)
-    patch = series.patch_files()[1]
+    patch = series.patch_files()[first]
     patching.git(["apply", f"--include={rel}", str(patch)], scratch)
-    assert (tmp_path / "m" / ".stages" / "0002" / rel).read_bytes() == (scratch / rel).read_bytes()
+    stage = tmp_path / "m" / series.stage_dir(first) / rel
+    assert stage.read_bytes() == (scratch / rel).read_bytes()
 
 
 @pytest.mark.skipif(mainline.main_tree() is None, reason=mainline.NO_MAIN_TREE)

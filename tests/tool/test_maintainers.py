@@ -6,9 +6,19 @@ import subprocess
 import sys
 
 import pytest
-from support import FUSED_ADAM, as_main, drift_context, git, tool_env
+from support import FUSED_ADAM, as_main, drift_context, git, release_patches, tool_env
 
-from te_fusedadam_offload import cli, drift, generate, maintainers, series, state, target, upstream
+from te_fusedadam_offload import (
+    cli,
+    drift,
+    generate,
+    maintainers,
+    patching,
+    series,
+    state,
+    target,
+    upstream,
+)
 from te_fusedadam_offload.errors import ToolError
 
 
@@ -21,20 +31,26 @@ def test_materialize_gives_pristine_plus_series(tmp_path):
         maintainers.materialize(tmp_path)
 
 
-def test_materialize_writes_the_stages_of_a_file_changed_twice(tmp_path, tree):
-    """fused_adam.py is changed by patches 1, 3 and 5 (the export, the docstring fix, the
-    load): .stages/0001/ and .stages/0003/ hold it after patches 1 and 3."""
+def test_materialize_writes_the_stages_of_a_file_changed_several_times(tmp_path, tree):
+    """Several patches change fused_adam.py (those whose diffs name it): .stages/NNNN/ holds
+    it after each of them but the last (NNNN: that patch's number), and the materialized file
+    is it after the last; each of them differs."""
+    patches = series.patch_files()
+    changing = [i for i, patch in enumerate(patches) if FUSED_ADAM in patching.touched(patch)]
+    assert len(changing) > 1, "the series no longer changes fused_adam.py several times"
     staged = series.staged_paths()
-    assert [i for i, paths in staged.items() if FUSED_ADAM in paths] == [0, 2]
+    assert [i for i, paths in staged.items() if FUSED_ADAM in paths] == changing[:-1]
     maintainers.materialize(tmp_path / "m")
     stages = []
-    for index, patch in enumerate(series.patch_files()[:3]):
+    for index, patch in enumerate(patches[: changing[-1]]):
         target.find_target(tree).patch([patch])
-        if FUSED_ADAM in staged.get(index, ()):
+        if index in changing:
             stage = tmp_path / "m" / ".stages" / f"{index + 1:04d}" / FUSED_ADAM
             assert stage.read_bytes() == (tree / FUSED_ADAM).read_bytes()
             stages.append(stage.read_bytes())
-    assert len({*stages, (tmp_path / "m" / FUSED_ADAM).read_bytes()}) == 3
+    target.find_target(tree).patch([patches[changing[-1]]])
+    assert (tmp_path / "m" / FUSED_ADAM).read_bytes() == (tree / FUSED_ADAM).read_bytes()
+    assert len({*stages, (tmp_path / "m" / FUSED_ADAM).read_bytes()}) == len(changing)
     with pytest.raises(ToolError, match="already exists"):
         maintainers.materialize(tmp_path / "m")
 
@@ -87,9 +103,13 @@ def test_main_sections_are_left_out_of_the_comparison():
 
 
 def test_drift_report_on_pristine_and_drifted_trees(tree, pristine):
-    assert [r[1] for r in drift.check_tree(pristine)] == [drift.CLEAN] * 3
+    """A row for each patch that changes the release's files; on a tree where the first does
+    not apply, the later ones are not checked."""
+    count = len(release_patches())
+    assert [r[1] for r in drift.check_tree(pristine)] == [drift.CLEAN] * count
     drift_context(tree)
-    assert [r[1] for r in drift.check_tree(tree)] == [drift.CONFLICT] + [state.NOT_CHECKED] * 2
+    rows = [r[1] for r in drift.check_tree(tree)]
+    assert rows == [drift.CONFLICT] + [state.NOT_CHECKED] * (count - 1)
 
 
 @pytest.mark.network
