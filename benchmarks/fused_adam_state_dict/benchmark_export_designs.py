@@ -43,11 +43,10 @@ import time
 import torch
 
 import transformer_engine
-import transformer_engine.pytorch as te
 from transformer_engine.pytorch.optimizers import fused_adam
 
 # Run as a script, this folder is on sys.path.
-from benchmark_state_dict_offload import MOMENTS, exported_bytes, to_cpu
+from benchmark_state_dict_offload import exported_bytes, stepped_optimizer, to_cpu
 
 PIECE = 4 * 1024 * 1024  # FP32 elements of a 16 MiB piece
 
@@ -64,22 +63,7 @@ def model_mix_shapes(hidden=4096, vocab=65536, layers=4):
 
 def build(shapes, moments):
     """BF16 parameters of these shapes and a FusedAdam that took one step."""
-    params = [
-        torch.nn.Parameter(torch.randn(s, device="cuda", dtype=torch.bfloat16)) for s in shapes
-    ]
-    opt = te.optimizers.FusedAdam(
-        params,
-        lr=1e-3,
-        master_weights=True,
-        exp_avg_dtype=MOMENTS[moments],
-        exp_avg_sq_dtype=MOMENTS[moments],
-    )
-    for p in params:
-        p.grad = torch.randn_like(p)
-    opt.step()
-    for p in params:
-        p.grad = None
-    return opt
+    return stepped_optimizer(shapes, moments)[1]
 
 
 def _states(opt):

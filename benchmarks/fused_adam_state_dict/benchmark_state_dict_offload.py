@@ -130,8 +130,17 @@ def build(total, largest, moments):
     while rest > 0:
         sizes.append(min(rest, largest))
         rest -= sizes[-1]
+    params, opt = stepped_optimizer(sizes, moments)
+    # Export helper for convert_one: param_groups without the states.
+    opt.state_dict_groups_only = lambda: torch.optim.Optimizer.state_dict(opt)["param_groups"]
+    return params, opt
+
+
+def stepped_optimizer(shapes, moments):
+    """BF16 params of these shapes, normally distributed, and a FusedAdam that took one step
+    (FP32 master weights, moments of the dtype `moments`)."""
     params = [
-        torch.nn.Parameter(torch.empty(n, device="cuda", dtype=torch.bfloat16)) for n in sizes
+        torch.nn.Parameter(torch.empty(s, device="cuda", dtype=torch.bfloat16)) for s in shapes
     ]
     for p in params:
         p.data.normal_()
@@ -147,8 +156,6 @@ def build(total, largest, moments):
     opt.step()
     for p in params:
         p.grad = None
-    # Export helper for convert_one: param_groups without the states.
-    opt.state_dict_groups_only = lambda: torch.optim.Optimizer.state_dict(opt)["param_groups"]
     return params, opt
 
 
