@@ -11,7 +11,11 @@
 # With STACK_PREFIX=N, only the first N pull requests of the stack are applied to the installed
 # TE (te-fusedadam-offload apply --installed --upto N; a later run without it applies the whole
 # stack), and TE_PATH should hold TE's test files as those pull requests leave them.
-#   stages: single  dist  bench  bench_omp1  export  nightly  dcp  dcp_oom  stall  stager
+#   stages: single  dist  bench  bench_omp1  export  designs  designs_omp1  load  nightly  dcp
+#           dcp_oom  stall  stager
+# (designs, designs_omp1: the export's design table, DESIGNS_ARGS its arguments, e.g.
+# '--moments fp8 --shapes model_mix'; load: the load grid, BF16/FP16/FP8 x 16 and one intra-op
+# thread, the default load beside the bounded one)
 # (stall: the checkpoint stall benchmark on all GPUs, STALL_ARGS its arguments; stager: the GPU
 # tests of te_fusedadam_offload.staging on all GPUs)
 # The test files are TE's, as the series changes them, from TE_PATH (default te-main, the
@@ -83,6 +87,18 @@ for stage in "$@"; do
             done
         done
         grep -h '^{' "$LOG"/export_*.log >"$LOG/export.jsonl" ;;
+    designs|designs_omp1) omp=${stage#designs_omp}; [ "$stage" = designs ] && omp=
+        run "$stage" env ${omp:+OMP_NUM_THREADS=$omp} timeout ${DESIGNS_TIMEOUT:-900} \
+        python3 benchmarks/fused_adam_state_dict/benchmark_export_designs.py ${DESIGNS_ARGS:-} \
+        --out "$LOG/designs.jsonl" ;;
+    load) for m in bf16 fp16 fp8; do
+            for omp in "" 1; do
+                run "load_$m${omp:+_omp$omp}" env ${omp:+OMP_NUM_THREADS=$omp} timeout 300 \
+                    python3 $BENCH --moments $m --total-log2 30 --largest-log2 24 \
+                    --modes load_default load_offload
+            done
+        done
+        grep -h '^{"te' "$LOG"/load_*.log >"$LOG/load.jsonl" ;;
     stall) run stall timeout ${STALL_TIMEOUT:-900} python3 -m torch.distributed.run --standalone \
         --nproc_per_node=$NGPUS benchmarks/fused_adam_state_dict/benchmark_checkpoint_stall.py \
         --out "$LOG/stall.jsonl" ${STALL_ARGS:-} ;;
