@@ -50,6 +50,6 @@ setup(
     python_requires=">=3.10",
     packages=[MODULE],
     install_requires=['tomli>=1.1; python_version < "3.11"'],
-    entry_points={"console_scripts": [f"te-fusedadam-offload={MODULE}.cli:main"]},
+    entry_points={"console_scripts": [f"te-fusedadam-offload={MODULE}.__main__:main"]},
     cmdclass={"build_py": BuildWithSeries},
 )

@@ -4,14 +4,25 @@ status, check, revert), then the maintainers' (maintainers.py)."""
 import argparse
 import json
 import os
+import shutil
 import signal
 import sys
+import tempfile
 import textwrap
 
 from . import __version__
 from .actions import apply, dry_run, revert
-from .errors import EXIT_NEEDS, EXIT_NO, EXIT_NO_TARGET, EXIT_USAGE, ToolError
+from .errors import (
+    EXIT_INTERRUPTED,
+    EXIT_NEEDS,
+    EXIT_NO,
+    EXIT_NO_TARGET,
+    EXIT_USAGE,
+    ToolError,
+    interrupted_early,
+)
 from .maintainers import add_commands
+from .saved import remove_stale_files
 from .series import stack_prefix
 from .state import APPLIED, DRIFTED, NOT_APPLIED, State, file_report, notes
 from .target import find_target, older_than_supported, te_version
@@ -19,7 +30,8 @@ from .upstream import load_pin
 
 
 def _target(args):
-    return find_target(args.path, args.installed, args.python)
+    args.target = find_target(args.path, args.installed, args.python)
+    return args.target
 
 
 def _print_status(state):
@@ -83,10 +95,11 @@ def cmd_apply(args):
         sys.stdout.write(diff)
         print(f"dry run: {target}: {message}; nothing was changed")
         return
-    print(f"{target}: {apply(target, patches)}")
+    message = apply(target, patches)
     overall = State(target, patches).overall
     if overall != APPLIED:
         raise ToolError(f"after applying, the series reads as {overall}")
+    print(f"{target}: {message}")  # last: an interrupt before it is reported as one
 
 
 def cmd_revert(args):
@@ -106,6 +119,7 @@ EXIT_CODES = f"""exit status:
      installed in the Python, or only what apply saved left by an uninstall of TE
   {EXIT_NEEDS}  something the tool needs is missing or unreachable: git, the Python of
      --python, the package index
+  {EXIT_INTERRUPTED}  interrupted (Ctrl-C), after one line saying what the files are
   141  the reader of the output went away (status | head -1)"""
 
 
@@ -187,9 +201,30 @@ def build_parser():
     return parser
 
 
-def main(argv=None):
-    """Entry point; returns the exit status (EXIT_CODES)."""
-    args = build_parser().parse_args(argv)
+def _on_sigint(signum, frame):  # pylint: disable=unused-argument
+    """The first Ctrl-C stops the command; later ones are ignored while it says what it left."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    raise KeyboardInterrupt
+
+
+def _interrupted(args):
+    """The line that an interrupted command prints: what the files are, read back (with
+    Ctrl-C ignored; git run for it ignores it too)."""
+    target = args.target
+    if args.command not in ("apply", "revert") or getattr(args, "dry_run", False):
+        return f"interrupted; nothing was changed ({args.command} only reads)"
+    try:
+        if target.kind != "checkout":
+            remove_stale_files(target)  # what the next apply or revert would remove first
+        state = State(target)
+        files = "; ".join(f"{rel}: {what}" for rel, what in file_report(state))
+        return f"interrupted; {files} (status: {state.overall})"
+    except ToolError as exc:
+        return f"interrupted; {str(exc).splitlines()[0]}"
+
+
+def _run(args):
+    """The command of `args`; its exit status."""
     try:
         code = args.func(args) or 0
         sys.stdout.flush()  # here, so that a closed pipe is caught below
@@ -205,5 +240,33 @@ def main(argv=None):
         return 128 + signal.SIGPIPE
 
 
-if __name__ == "__main__":
-    sys.exit(main())
+def main(argv=None, command=False):
+    """Entry point; returns the exit status (EXIT_CODES). Scratch copies go into a directory
+    of this run in $TMPDIR, removed at the end, also after Ctrl-C, which ends the command with
+    one line saying what the files are (exit 130). As the command (`command`, __main__.py),
+    a Ctrl-C after the work is done is ignored: the exit status is that of the work."""
+    previous = signal.getsignal(signal.SIGINT)
+    if previous is not signal.SIG_IGN:  # as Python does, a SIGINT ignored at start stays so
+        signal.signal(signal.SIGINT, _on_sigint)
+    # Ctrl-C is held back until the scratch directory is known, so that it is removed.
+    signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+    tempdir = tempfile.tempdir
+    scratch = tempfile.tempdir = tempfile.mkdtemp(prefix="te-fusedadam-offload-")
+    args = None
+    try:
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
+        args = build_parser().parse_args(argv)
+        return _run(args)
+    except KeyboardInterrupt:
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        if getattr(args, "target", None) is None:
+            print(interrupted_early(sys.argv[1:] if argv is None else argv), file=sys.stderr)
+        else:
+            print(f"te-fusedadam-offload {args.command}: {_interrupted(args)}", file=sys.stderr)
+        return EXIT_INTERRUPTED
+    finally:
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        shutil.rmtree(scratch, ignore_errors=True)
+        tempfile.tempdir = tempdir
+        if not command:
+            signal.signal(signal.SIGINT, previous)

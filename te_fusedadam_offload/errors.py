@@ -5,6 +5,7 @@ EXIT_NO = 1  # the answer is no: not applied, drifted, a failed check; or a run 
 EXIT_USAGE = 2  # bad arguments (argparse)
 EXIT_NO_TARGET = 3  # no TE where named: no such directory, no transformer_engine/ in it
 EXIT_NEEDS = 4  # something the tool needs is missing or unreachable: git, a Python, the network
+EXIT_INTERRUPTED = 130  # stopped by Ctrl-C (128 + SIGINT), after saying what the files are
 
 
 class ToolError(Exception):
@@ -30,3 +31,9 @@ class NeedsError(ToolError):
     unreachable: the command exits with status 4."""
 
     code = EXIT_NEEDS
+
+
+def interrupted_early(argv):
+    """The line of a command stopped by Ctrl-C before it found its TE (`argv`: its arguments)."""
+    name = " ".join(["te-fusedadam-offload", *[a for a in argv[:1] if a[:1] != "-"]])
+    return f"{name}: interrupted before it read the TE; nothing was changed"

@@ -16,7 +16,7 @@ from pathlib import Path
 
 from .errors import ToolError
 from .patching import all_apply, failure, offsets
-from .saved import Backup, file_digest, patch_ids, sha256
+from .saved import Backup, fault, file_digest, patch_ids, sha256
 from .series import compat_patches, load_checksums, patch_files, patch_label
 from .target import Target, te_version
 from .upstream import load_pin
@@ -53,6 +53,7 @@ def simulate(target, patches, reverse=False, originals=None, contents=None):
     files = list(dict.fromkeys(rel for patch in patches for rel in target.touches(patch)))
     with tempfile.TemporaryDirectory() as tmp:
         copy = _scratch_copy(target, files, originals, Path(tmp) / "at-once")
+        fault("scratch")
         results = copy.apply_patches_at_once(patches, reverse)
         if results is None:  # the copy holds what git left of it: start again from the target
             copy = _scratch_copy(target, files, originals, Path(tmp) / "in-turn")

@@ -45,7 +45,7 @@ def test_wheel_carries_the_series(tmp_path):
     assert not any(n.startswith("build_tools/") for n in names)
     entry = [n for n in names if n.endswith("entry_points.txt")][0]
     assert (
-        "te-fusedadam-offload = te_fusedadam_offload.cli:main"
+        "te-fusedadam-offload = te_fusedadam_offload.__main__:main"
         in zipfile.ZipFile(wheel).read(entry).decode()
     )
     pinned = json.loads(zipfile.ZipFile(wheel).read("te_fusedadam_offload/_data/upstream.json"))
