@@ -110,24 +110,56 @@ def older_than_supported(version):
 
 
 # Where the TE that a Python imports lives; run from "/", so that the current directory
-# (a checkout with transformer_engine/ in it) does not decide it. Nothing is imported.
+# (a checkout with transformer_engine/ in it) does not decide it. Nothing is imported. The
+# answer is a JSON object with a key of this tool's, so that a program that is no Python
+# interpreter (/bin/true, /bin/echo) is told from one.
 _FIND_TE = (
     "import importlib.util, json; s = importlib.util.find_spec('transformer_engine'); "
-    "print(json.dumps(list(s.submodule_search_locations or []) if s else []))"
+    "print(json.dumps({'te_fusedadam_offload': list(s.submodule_search_locations or []) "
+    "if s else []}))"
 )
 
 
+def _not_python(python, why):
+    return NeedsError(f"--python {python}: not a Python interpreter that can be used: {why}")
+
+
 def _installed_location(python):
-    """The directory holding the transformer_engine/ that `python` imports, or None."""
+    """The directory holding the transformer_engine/ that `python` imports, or None. Raises
+    NeedsError, one line, if `python` cannot be run or does not answer as a Python does."""
+    if Path(python).is_dir():
+        inside = next((p for p in ("bin/python", "bin/python3") if (Path(python) / p).is_file()), 0)
+        hint = f" (the Python of this environment is {Path(python) / inside})" if inside else ""
+        raise _not_python(python, f"it is a directory{hint}")
     try:
         result = subprocess.run(
-            [python, "-c", _FIND_TE], cwd="/", capture_output=True, text=True, check=False
+            [python, "-c", _FIND_TE],
+            cwd="/",
+            capture_output=True,
+            text=True,
+            stdin=subprocess.DEVNULL,
+            timeout=120,
+            check=False,
         )
     except OSError as exc:
-        raise NeedsError(f"cannot run the Python {python}: {exc.strerror or exc}") from exc
-    if result.returncode != 0:
-        raise NeedsError(f"the Python {python} failed: {result.stderr.strip()[-500:]}")
-    locations = json.loads(result.stdout.strip().splitlines()[-1])
+        raise _not_python(python, f"cannot run it: {exc.strerror or exc}") from exc
+    except subprocess.TimeoutExpired as exc:
+        raise _not_python(python, "it did not answer within 120 s") from exc
+    lines = result.stdout.strip().splitlines()
+    try:
+        locations = json.loads(lines[-1])["te_fusedadam_offload"] if lines else None
+    except (ValueError, TypeError, KeyError):
+        locations = None
+    if result.returncode != 0 or not isinstance(locations, list):
+        said = result.stderr.strip().splitlines()[-1:]
+        if not said:
+            said = " and printed nothing on stderr"
+        elif "find_spec" in said[0]:  # it echoes the query: it takes -c CODE for something else
+            said = " (it does not take -c CODE)"
+        else:
+            said = f": {said[0][:200]}"
+        what = f"exited with status {result.returncode}" if result.returncode else "ran"
+        raise _not_python(python, f"{what} without answering as a Python does{said}")
     return Path(locations[0]).parent if locations else None
 
 

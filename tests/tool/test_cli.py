@@ -141,10 +141,52 @@ def test_exit_status_tells_no_target_from_no(tree, tmp_path):
         assert result.returncode == 3, (args, result.stderr)
         assert len(result.stderr.strip().splitlines()) == 1
     result = run_tool(["status", "--python", str(tmp_path / "no-python")])
-    assert result.returncode == 4 and "cannot run the Python" in result.stderr
+    assert result.returncode == 4 and "cannot run it: No such file or directory" in result.stderr
     assert run_tool(["status", str(tree)]).returncode == 1
     drift_context(tree)
     assert run_tool(["apply", str(tree)]).returncode == 1
+
+
+def _fake_pythons(tmp_path):
+    """Programs given as --python that are no Python interpreter, with what the reason says."""
+    venv = tmp_path / "venv"
+    (venv / "bin").mkdir(parents=True)
+    (venv / "bin" / "python").write_text("#!/bin/sh\n")
+    not_executable = tmp_path / "python-text"
+    not_executable.write_text("print(1)\n")
+    broken = tmp_path / "broken-python"
+    broken.write_text(
+        "#!/bin/sh\necho 'Traceback (most recent call last):' >&2\n"
+        "echo 'ModuleNotFoundError: No module named encodings' >&2\nexit 1\n"
+    )
+    broken.chmod(0o755)
+    return {
+        "/bin/true": "ran without answering as a Python does and printed nothing on stderr",
+        "/bin/echo": "ran without answering as a Python does",
+        "/bin/false": "exited with status 1 without answering as a Python does",
+        shutil.which("ls"): "without answering as a Python does (it does not take -c CODE)",
+        str(tmp_path / "missing"): "cannot run it: No such file or directory",
+        str(not_executable): "cannot run it: Permission denied",
+        str(venv): f"it is a directory (the Python of this environment is {venv}/bin/python)",
+        str(broken): (
+            "exited with status 1 without answering as a Python does: "
+            "ModuleNotFoundError: No module named encodings"
+        ),
+    }
+
+
+def test_python_that_is_not_one_exits_4_with_a_one_line_reason(tmp_path):
+    """--python /bin/true crashed with IndexError, /bin/echo with JSONDecodeError, /bin/false
+    said 'failed: ' with no reason and ls echoed the tool's query: each is exit 4 and one line
+    that says why."""
+    for python, reason in _fake_pythons(tmp_path).items():
+        result = run_tool(["status", "--python", python])
+        assert result.returncode == 4, (python, result.stderr)
+        lines = result.stderr.splitlines()
+        lead = f"te-fusedadam-offload status: error: --python {python}: not a Python interpreter"
+        assert len(lines) == 1 and lines[0].startswith(lead), (python, lines)
+        assert reason in lines[0], (python, lines[0])
+        assert "find_spec" not in lines[0] and result.stdout == ""
 
 
 def test_help_lists_the_user_commands_first():
