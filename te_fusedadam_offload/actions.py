@@ -13,7 +13,7 @@ from .errors import ToolError
 from .patching import all_apply, failure, git, git_am
 from .saved import BACKUP_DIR, checked_state, modes, remove_stale_files, sha256, write_files
 from .series import compat_patches, patch_files, patch_label
-from .state import APPLIED, DRIFTED, NOT_APPLIED, State
+from .state import APPLIED, DRIFTED, EDITED, NOT_APPLIED, State
 from .target import Target, older_than_supported, supported_range, te_version
 from .upstream import load_pin
 
@@ -46,7 +46,7 @@ def apply(target, patches=None):
     if state.overall == APPLIED:
         return "already applied; nothing to do"
     if state.overall == DRIFTED or older_than_supported(te_version(target)):
-        raise ToolError(_drift_message(target, state.rows, "apply"))
+        raise ToolError(_drift_message(target, state.rows, "apply", state.edited))
     # Not applied, or the first patches only: the files before and after the whole series.
     originals, contents = state.before, state.after
     current = {rel: (target.root / rel).read_bytes() for rel in {**originals, **contents}}
@@ -107,10 +107,11 @@ def _apply_checkout(state):
     return f"applied {len(state.series)} patches as commits with git am"
 
 
-def revert(target):
+def revert(target, discard_edits=False):
     """Take the series out again; a no-op if it is not applied. The saved originals are
     written back with their modes; without them (a TE patched otherwise), the series is
-    reversed."""
+    reversed. A file changed after apply patched it is refused, unless `discard_edits`: then
+    its saved original is written back too, and the message names it."""
     if target.kind == "checkout":
         return _revert_checkout(State(target))
     if target.leftover:
@@ -133,8 +134,10 @@ def revert(target):
                 "original files saved then"
             )
         return "not applied; nothing to do"
+    if state.edited and discard_edits:
+        return _restore_saved(state, discard=state.edited)
     if state.overall == DRIFTED:
-        raise ToolError(_drift_message(target, state.rows, "revert"))
+        raise ToolError(_drift_message(target, state.rows, "revert", state.edited))
     # Applied, or the first patches only, without saved originals: reverse what is applied.
     contents = {
         rel: data for rel, data in state.before.items() if data != (target.root / rel).read_bytes()
@@ -144,11 +147,12 @@ def revert(target):
     return f"reverted {state.applied} patch(es)"
 
 
-def _restore_saved(state):
-    """Write the saved originals back over the files that are patched, and forget them."""
+def _restore_saved(state, discard=()):
+    """Write the saved originals back over the files that are patched (and those of
+    `discard`, changed after the apply), and forget them."""
     target, backup = state.target, state.backup
     count = len(backup.patches() or state.relevant)  # how many patches made the saved state
-    todo = [rel for rel, s in state.saved.items() if s == "patched"]
+    todo = [rel for rel, s in state.saved.items() if s == "patched" or rel in discard]
     originals = {rel: backup.original(rel) for rel in todo}
     write_files(target, originals, {rel: backup.state[rel]["mode"] for rel in todo}, "revert")
     try:
@@ -159,10 +163,13 @@ def _restore_saved(state):
         ) from exc
     if not todo:
         return "not applied; removed the saved originals that an interrupted run left"
-    return (
+    done = (
         f"reverted {count} patch(es): restored the saved original bytes and modes "
         f"of {len(todo)} file(s)"
     )
+    if discard:
+        done += f"; discarded what was changed after apply in {', '.join(discard)}"
+    return done
 
 
 def _revert_checkout(state):
@@ -201,7 +208,7 @@ def _subject(patch):
     return ""
 
 
-def _drift_message(target, rows, action):
+def _drift_message(target, rows, action, edited=()):
     pin, found = load_pin(), te_version(target)
     oldest, pinned = supported_range()
     supported = f"TE {oldest} to {pinned}" if oldest != pinned else f"TE {pinned}"
@@ -215,7 +222,14 @@ def _drift_message(target, rows, action):
         lead = f"found TE {found} at {target.root}; this series is made for TE {pinned}"
     else:
         lead = f"{target} has drifted from what the series expects (TE {pinned})"
-    if target.kind == "checkout":
+    if edited:
+        lead = f"{', '.join(edited)} {EDITED}"
+        advice = (
+            f"'te-fusedadam-offload revert --discard-edits {target.args}' writes the saved "
+            "originals back (what was changed after apply is lost; copy the file first to "
+            f"keep it){', then run apply again' if action == 'apply' else ''}"
+        )
+    elif target.kind == "checkout":
         advice = f"check out the pinned main commit {pin['main']['commit']} and run {action} again"
     elif target.kind == "tree":
         advice = (

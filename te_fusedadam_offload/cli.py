@@ -105,7 +105,7 @@ def cmd_apply(args):
 def cmd_revert(args):
     """Take the series out, restoring the exact files it changed."""
     target = _target(args)
-    print(f"{target}: {revert(target)}")
+    print(f"{target}: {revert(target, args.discard_edits)}")
     for rel, what in file_report(State(target), NOT_APPLIED):
         print(f"  {rel}: {what}")
 
@@ -196,6 +196,15 @@ def build_parser():
             )
         if name == "status":
             p.add_argument("--json", action="store_true", help="print the report as JSON")
+        if name == "revert":
+            p.add_argument(
+                "--discard-edits",
+                action="store_true",
+                help=(
+                    "also write the saved original back over a file that was changed after "
+                    "apply patched it (that change is lost; revert names the file)"
+                ),
+            )
 
     add_commands(add)
     return parser

@@ -25,6 +25,10 @@ APPLIED, NOT_APPLIED, DRIFTED = "applied", "not applied", "drifted"
 INTERRUPTED = "interrupted"
 NOT_FOR_TARGET = "not for this target"
 NOT_CHECKED = "not checked"
+EDITED = (
+    "changed after apply patched it: neither the original bytes that apply saved nor as this "
+    "series patches them"
+)
 
 
 def _scratch_copy(target, files, originals, scratch):
@@ -80,6 +84,7 @@ class State:
         recorded = self.backup.patches() if self.from_saved else None
         self.recorded = next((v for v in self.variants if patch_ids(v) == recorded), None)
         self.applied = 0  # how many of `relevant` the simulation found applied
+        self.edited = []  # files changed after apply patched them (state.json says so)
         self.before = {}  # {path: bytes}: the files before `relevant`, where it found them
         self.after = {}  # and after the whole of `relevant`
 
@@ -202,6 +207,16 @@ class State:
             for patch, result in forward:
                 rows[patch_label(patch)] = (NOT_APPLIED, "with offset" if offsets(result) else "")
             return report(NOT_APPLIED)
+        self.edited = self._edited_after_apply()
+        if self.edited:
+            for patch in relevant:
+                changed = [rel for rel in target.touches(patch) if rel in self.edited]
+                if changed:
+                    rows[patch_label(patch)] = (
+                        DRIFTED,
+                        f"{', '.join(changed)}: changed after apply",
+                    )
+            return report(DRIFTED)
         if all_apply(simulate(target, relevant[::-1], True, contents=self.before)):
             self.applied = len(relevant)
             rows.update({patch_label(p): (APPLIED, "") for p in relevant})
@@ -219,6 +234,16 @@ class State:
             )
         return report(DRIFTED)
 
+    def _edited_after_apply(self):
+        """The files that apply patched (state.json, this TE release) that are now neither as
+        it wrote them nor the saved originals, while the series does not apply to the files:
+        changed after the apply, not by a reinstall of TE (which gives the originals back, or
+        another release's files that the series applies to)."""
+        meta = self.backup.meta or {}
+        if meta.get("te_version") != te_version(self.target):
+            return []
+        return [rel for rel, what in (self.saved or {}).items() if what == "other"]
+
     def _applied_prefix(self):
         """k if exactly the first k (0 < k < all) of `relevant` are applied to the target, else
         0; with `before` and `after` the files before and after the whole of `relevant`."""
@@ -233,7 +258,8 @@ class State:
 
     def patched_files(self, overall):
         """{path: sha256 of its original} of the files that are as this series makes them."""
-        if self.this_version:
+        ours = self.edited and self.backup.patches() in [patch_ids(v) for v in self.variants]
+        if self.this_version or ours:  # (the files not edited after this series' apply)
             entries = self.backup.state
             return {
                 rel: entries[rel]["original"] for rel, s in self.saved.items() if s == "patched"
@@ -258,7 +284,9 @@ def file_report(state, overall=None):
     report = []
     for rel, (released, _) in sorted(load_checksums().items()):
         digest = file_digest(target.root / rel)
-        if digest is None:
+        if rel in state.edited:
+            report.append((rel, EDITED + " (the saved originals are kept)"))
+        elif digest is None:
             report.append((rel, "missing"))
         elif digest == released:
             report.append((rel, f"as released in TE {pinned}"))

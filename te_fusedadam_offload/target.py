@@ -40,6 +40,13 @@ class Target:
     def __str__(self):
         return f"{self.kind} TE at {self.root}"
 
+    @property
+    def args(self):
+        """How to name this target on the command line."""
+        if self.kind != "installed":
+            return str(self.root)
+        return "--installed" if self.python == sys.executable else f"--python {self.python}"
+
     def refuse_leftover(self):
         """Raise NoTargetError if TE was uninstalled from here and only the saved originals
         are left."""

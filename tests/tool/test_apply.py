@@ -155,6 +155,57 @@ def test_drifted_target_is_reported_and_left_unchanged(tree):
     assert cli.main(["check", str(tree)]) == 1
 
 
+def test_a_file_edited_after_apply_is_drifted_and_revert_keeps_it_unless_told(tree, pristine):
+    """A line appended to the patched fused_adam.py: status said "applied" (exit 0), check
+    exit 0, and revert said "reverted" but kept the edit and deleted the saved originals. Now
+    status and check say drifted (exit 1), apply and revert refuse and change nothing, and
+    revert --discard-edits writes the saved original back and names the file."""
+    assert run_tool(["apply", str(tree)]).returncode == 0
+    with open(tree / FUSED_ADAM, "a", encoding="utf-8") as f:
+        f.write("# a local edit\n")
+    edited = (tree / FUSED_ADAM).read_bytes()
+    saved_dir = tree / "transformer_engine" / target.BACKUP_DIR
+    result = run_tool(["status", str(tree)])
+    assert result.returncode == 1 and ": drifted\n" in result.stdout
+    assert f"drifted ({FUSED_ADAM}: changed after apply)" in result.stdout
+    assert f"  {FUSED_ADAM}: {state.EDITED} (the saved originals are kept)\n" in result.stdout
+    report = json.loads(run_tool(["status", "--json", str(tree)]).stdout)
+    assert report["status"] == "drifted" and report["files"][0]["state"].startswith(state.EDITED)
+    assert run_tool(["check", str(tree)]).returncode == 1
+    advice = f"What to do: 'te-fusedadam-offload revert --discard-edits {tree.resolve()}' writes"
+    for command in ("apply", "revert"):
+        result = run_tool([command, str(tree)])
+        assert result.returncode == 1
+        assert f"cannot {command}: {FUSED_ADAM} {state.EDITED}\n" in result.stderr
+        assert advice in result.stderr
+        assert (tree / FUSED_ADAM).read_bytes() == edited and saved_dir.is_dir()
+    result = run_tool(["revert", "--discard-edits", str(tree)])
+    assert result.returncode == 0, result.stderr
+    assert (
+        "restored the saved original bytes and modes of 1 file(s); discarded what was changed "
+        f"after apply in {FUSED_ADAM}\n"
+        in result.stdout
+    )
+    assert same_tree(tree / "transformer_engine", pristine / "transformer_engine")
+
+
+def test_one_of_two_files_edited_after_apply(tree, pristine, series_home, two_file_patches):
+    """A series that changes two files, one edited after apply: drifted; --discard-edits
+    restores both (the other as any revert does)."""
+    home = series_home(*two_file_patches)
+    tool = lambda *args: run_tool([*args, str(tree)], cwd=home, pythonpath=home)
+    assert tool("apply").returncode == 0
+    with open(tree / FUSED_SGD, "a", encoding="utf-8") as f:
+        f.write("# a local edit\n")
+    result = tool("status")
+    assert result.returncode == 1 and f"  {FUSED_SGD}: {state.EDITED}" in result.stdout
+    assert f"  {FUSED_ADAM}: TE 2.20.2's, patched by this series\n" in result.stdout, result.stdout
+    assert tool("revert").returncode == 1
+    result = tool("revert", "--discard-edits")
+    assert "of 2 file(s); discarded what was changed after apply in " + FUSED_SGD in result.stdout
+    assert same_tree(tree / "transformer_engine", pristine / "transformer_engine")
+
+
 def test_failed_apply_changes_nothing(tree, series_home, two_file_patches):
     """A series whose second patch does not apply (to the second file that the first patch
     changes) leaves every file as it was, and status says that the first applies and where
