@@ -25,6 +25,7 @@ def apply(target, patches=None):
     if target.kind == "checkout":
         return _apply_checkout(State(target, patches))
     target.refuse_leftover()
+    target.refuse_source_checkout("apply")
     remove_stale_files(target)
     state = State(target, patches)
     if state.saved and set(state.saved.values()) == {"original"}:
@@ -124,7 +125,7 @@ def revert(target, discard_edits=False):
         )
     remove_stale_files(target)
     state = State(target)
-    if state.from_saved:
+    if state.from_saved:  # also in a source checkout, where an earlier version applied it so
         return _restore_saved(state)
     if state.overall == NOT_APPLIED:
         if state.saved:  # of a TE that was reinstalled or upgraded since: they restore nothing now
@@ -136,6 +137,8 @@ def revert(target, discard_edits=False):
         return "not applied; nothing to do"
     if state.edited and discard_edits:
         return _restore_saved(state, discard=state.edited)
+    if state.overall != NOT_APPLIED:
+        target.refuse_source_checkout("revert")
     if state.overall == DRIFTED:
         raise ToolError(_drift_message(target, state.rows, "revert", state.edited))
     # Applied, or the first patches only, without saved originals: reverse what is applied.
@@ -268,6 +271,7 @@ def dry_run(target, patches=None):
             target.root, contents
         )
     target.refuse_leftover()
+    target.refuse_source_checkout("apply")
     with tempfile.TemporaryDirectory() as tmp:
         scratch = Path(tmp)
         package = target.root / target.subtree

@@ -78,6 +78,10 @@ def cmd_check(args):
     if overall == NOT_APPLIED and older_than_supported(found):
         print(f"  TE {found} is older than the releases the series supports")
         return 1
+    if overall != APPLIED and state.target.source_checkout:
+        for note in notes(state, overall):
+            print(f"  {note}")
+        return 1
     if overall != DRIFTED:
         return 0
     if state.other_version:

@@ -311,14 +311,20 @@ def file_report(state, overall=None):
 
 
 def notes(state, overall):
-    """What the user should know beyond the state: TE reinstalled or upgraded over an apply."""
+    """What the user should know beyond the state: an installed TE that is a git checkout's;
+    TE reinstalled or upgraded over an apply."""
+    found = []
+    try:
+        state.target.refuse_source_checkout("apply")
+    except ToolError as exc:
+        found.append(str(exc))
     saved = state.saved
     if overall != NOT_APPLIED or not saved or "patched" in saved.values():
-        return []
+        return found
     then = (state.backup.meta or {}).get("te_version")
     now = te_version(state.target)
     change = f" (TE {then} then, TE {now} now)" if then and now and then != now else ""
-    return [
+    return found + [
         f"the series was applied here and is not now{change}: TE was reinstalled or upgraded "
         "since (which undoes it), or an apply was stopped before it changed a file. Run apply "
         "again; it is idempotent: run it after every install or upgrade of TE"

@@ -3,12 +3,14 @@ holds, and the releases the series supports."""
 
 import json
 import re
+import shutil
 import subprocess
 import sys
+from functools import cached_property
 from pathlib import Path
 
-from .errors import NeedsError, NoTargetError
-from .patching import apply_all, apply_at_once, apply_in_order, touched
+from .errors import NeedsError, NoTargetError, ToolError
+from .patching import apply_all, apply_at_once, apply_in_order, git, touched
 from .upstream import load_pin
 
 BACKUP_DIR = ".te_fusedadam_offload"  # in <root>/<subtree>/: the saved originals (saved.py)
@@ -39,6 +41,38 @@ class Target:
 
     def __str__(self):
         return f"{self.kind} TE at {self.root}"
+
+    @cached_property
+    def source_checkout(self):
+        """For an installed TE: the top of the git work tree that tracks its files (a source
+        or editable install from a TE checkout: a .pth file or a finder pointing at it), or
+        None (installed from a wheel, also into a venv inside a repository; or no git here)."""
+        if self.kind != "installed" or not shutil.which("git"):
+            return None
+        args = ["ls-files", "--error-unmatch", f"{self.subtree}/__init__.py"]
+        if git(args, self.root, check=False).returncode != 0:
+            return None
+        return Path(git(["rev-parse", "--show-toplevel"], self.root).stdout.strip()).resolve()
+
+    def refuse_source_checkout(self, action):
+        """Raise ToolError if this installed TE's files are a git checkout's: `action` would
+        change that checkout's working tree. The message gives the command that does it there
+        (as commits, with git am, where the checkout is TE's own)."""
+        top = self.source_checkout
+        if top is None:
+            return
+        lead = (
+            f"the TE at {self.root} is installed from a git checkout: its {self.subtree}/ is "
+            f"tracked by the git repository {top}, and {action} {self.args} would change that "
+            "repository's working tree"
+        )
+        if top == self.root:
+            how = "as commits (git am; revert removes them)" if action == "apply" else ""
+            raise ToolError(f"{lead}; {action} it there {how}: te-fusedadam-offload {action} {top}")
+        raise ToolError(
+            f"{lead}; to change its files in place all the same, name the directory: "
+            f"te-fusedadam-offload {action} {self.root}"
+        )
 
     @property
     def args(self):

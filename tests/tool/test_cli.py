@@ -24,7 +24,7 @@ from support import (
 )
 
 import te_fusedadam_offload
-from te_fusedadam_offload import series, target, upstream
+from te_fusedadam_offload import mainline, series, target, upstream
 
 
 def _run_cli(args, pythonpath, cwd, tool_home):
@@ -44,6 +44,84 @@ def test_installed_target_inside_an_unrelated_git_repo(tree, tmp_path, tool_home
     assert "installed TE at" in result.stdout and ": applied" in result.stdout
     assert _run_cli(["revert"], site, outer, tool_home).returncode == 0
     assert upstream.sha256_of(site / FUSED_ADAM) == series.load_checksums()[FUSED_ADAM][0]
+
+
+def _source_install(tree, tmp_path):
+    """A TE git checkout (the release's files, and the main files of the series' tests and
+    docs where the pinned main tree is at hand) and a venv whose .pth file puts it on sys.path,
+    as a source or editable install does; the venv's Python."""
+    if mainline.main_tree() is not None:
+        for rel in series.main_paths():
+            (tree / rel).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copyfile(mainline.main_tree() / rel, tree / rel)
+    git(["init", "-q", "-b", "main"], tree)
+    git(["add", "-A"], tree)
+    git(["commit", "-qm", "TE"], tree)
+    venv = tmp_path / "venv"
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True)
+    purelib = subprocess.run(
+        [
+            str(venv / "bin" / "python"),
+            "-c",
+            "import sysconfig; print(sysconfig.get_path('purelib'))",
+        ],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout.strip()
+    Path(purelib, "te-source.pth").write_text(f"{tree}\n")
+    return venv / "bin" / "python"
+
+
+def test_te_installed_from_a_git_checkout_is_refused_with_the_command_for_the_checkout(
+    tree, tmp_path, tool_home
+):
+    """apply --installed silently edited the working tree of the TE checkout that a .pth file
+    pointed at. Now it (and --dry-run, and revert of commits) refuses and gives the command
+    that works on the checkout; status and check say so; the checkout is left as it was. An
+    in-place apply that an earlier version made there is reverted from its saved originals."""
+    python = _source_install(tree, tmp_path)
+    root = tree.resolve()
+
+    def tool(*args):
+        return run_tool([*args, "--python", str(python)], cwd=tmp_path, pythonpath=tool_home)
+
+    command = f"te-fusedadam-offload apply {root}"
+    for args in (["apply"], ["apply", "--dry-run"]):
+        result = tool(*args)
+        assert result.returncode == 1 and result.stdout == "", result.stdout
+        assert result.stderr.count("\n") == 1, result.stderr
+        assert f"its transformer_engine/ is tracked by the git repository {root}" in result.stderr
+        assert result.stderr.rstrip().endswith(
+            f"as commits (git am; revert removes them): {command}"
+        )
+    assert git(["status", "--porcelain", "--ignored"], tree) == ""
+    result = tool("status")
+    assert (
+        result.returncode == 1
+        and f"note: the TE at {root} is installed from a git" in result.stdout
+    )
+    result = tool("check")
+    assert result.returncode == 1 and result.stdout.rstrip().endswith(command)
+    if mainline.main_tree() is not None:  # the command it gives works
+        assert run_tool(["apply", str(root)], pythonpath=tool_home).returncode == 0
+        assert git(["status", "--porcelain"], tree) == ""
+        assert tool("status").returncode == 0 and tool("check").returncode == 0
+        result = tool("revert")
+        assert result.returncode == 1
+        assert result.stderr.rstrip().endswith(f"te-fusedadam-offload revert {root}")
+        assert run_tool(["revert", str(root)], pythonpath=tool_home).returncode == 0
+        assert git(["log", "--format=%s"], tree) == "TE\n"
+    # As an earlier version of the tool left it: applied in place, with the saved originals.
+    in_place = tmp_path / "in-place"
+    shutil.copytree(tree / "transformer_engine", in_place / "transformer_engine")
+    assert run_tool(["apply", str(in_place)], pythonpath=tool_home).returncode == 0
+    shutil.rmtree(tree / "transformer_engine")
+    shutil.copytree(in_place / "transformer_engine", tree / "transformer_engine")
+    assert git(["status", "--porcelain"], tree) != ""
+    result = tool("revert")
+    assert result.returncode == 0 and "restored the saved original bytes" in result.stdout
+    assert git(["status", "--porcelain", "--ignored"], tree) == ""
 
 
 def test_state_is_found_once(tree, tmp_path):
