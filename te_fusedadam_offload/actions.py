@@ -9,7 +9,7 @@ import shutil
 import tempfile
 from pathlib import Path
 
-from .errors import ToolError
+from .errors import NeedsError, ToolError
 from .patching import all_apply, failure, git, git_am
 from .saved import BACKUP_DIR, checked_state, modes, remove_stale_files, sha256, write_files
 from .series import compat_patches, patch_files, patch_label
@@ -127,6 +127,19 @@ def revert(target, discard_edits=False):
     state = State(target)
     if state.from_saved:  # also in a source checkout, where an earlier version applied it so
         return _restore_saved(state)
+    changed = state.changed_since_apply()  # the saved originals are written back without git
+    if changed and discard_edits:
+        return _restore_saved(state, discard=changed)
+    try:
+        state.overall  # pylint: disable=pointless-statement
+    except NeedsError as exc:
+        if not changed:
+            raise
+        raise NeedsError(
+            f"{', '.join(changed)}: neither as apply wrote it nor the original that it saved; "
+            f"telling an edit from a reinstall of TE needs git ({exc}); or 'te-fusedadam-offload "
+            f"revert --discard-edits {target.args}' writes the saved originals back"
+        ) from exc
     if state.overall == NOT_APPLIED:
         if state.saved:  # of a TE that was reinstalled or upgraded since: they restore nothing now
             shutil.rmtree(state.backup.dir)
@@ -135,10 +148,7 @@ def revert(target, discard_edits=False):
                 "original files saved then"
             )
         return "not applied; nothing to do"
-    if state.edited and discard_edits:
-        return _restore_saved(state, discard=state.edited)
-    if state.overall != NOT_APPLIED:
-        target.refuse_source_checkout("revert")
+    target.refuse_source_checkout("revert")
     if state.overall == DRIFTED:
         raise ToolError(_drift_message(target, state.rows, "revert", state.edited))
     # Applied, or the first patches only, without saved originals: reverse what is applied.
@@ -154,7 +164,7 @@ def _restore_saved(state, discard=()):
     """Write the saved originals back over the files that are patched (and those of
     `discard`, changed after the apply), and forget them."""
     target, backup = state.target, state.backup
-    count = len(backup.patches() or state.relevant)  # how many patches made the saved state
+    count = len(backup.patches() or ())  # how many patches made the saved state, if it says
     todo = [rel for rel, s in state.saved.items() if s == "patched" or rel in discard]
     originals = {rel: backup.original(rel) for rel in todo}
     write_files(target, originals, {rel: backup.state[rel]["mode"] for rel in todo}, "revert")
@@ -167,8 +177,8 @@ def _restore_saved(state, discard=()):
     if not todo:
         return "not applied; removed the saved originals that an interrupted run left"
     done = (
-        f"reverted {count} patch(es): restored the saved original bytes and modes "
-        f"of {len(todo)} file(s)"
+        f"reverted {f'{count} patch(es)' if count else 'the series'}: restored the saved "
+        f"original bytes and modes of {len(todo)} file(s)"
     )
     if discard:
         done += f"; discarded what was changed after apply in {', '.join(discard)}"

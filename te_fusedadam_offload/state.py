@@ -207,7 +207,7 @@ class State:
             for patch, result in forward:
                 rows[patch_label(patch)] = (NOT_APPLIED, "with offset" if offsets(result) else "")
             return report(NOT_APPLIED)
-        self.edited = self._edited_after_apply()
+        self.edited = self.changed_since_apply()
         if self.edited:
             for patch in relevant:
                 changed = [rel for rel in target.touches(patch) if rel in self.edited]
@@ -234,11 +234,11 @@ class State:
             )
         return report(DRIFTED)
 
-    def _edited_after_apply(self):
+    def changed_since_apply(self):
         """The files that apply patched (state.json, this TE release) that are now neither as
-        it wrote them nor the saved originals, while the series does not apply to the files:
-        changed after the apply, not by a reinstall of TE (which gives the originals back, or
-        another release's files that the series applies to)."""
+        it wrote them nor the saved originals. Found without git; where the series does not
+        apply to the files either, they were changed after the apply (`edited`), not by a
+        reinstall of TE (which gives the originals back, or files the series applies to)."""
         meta = self.backup.meta or {}
         if meta.get("te_version") != te_version(self.target):
             return []

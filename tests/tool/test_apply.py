@@ -2,12 +2,14 @@
 commands): the state, the files, other versions and releases."""
 
 import json
+import os
 import shutil
 
 import pytest
 from support import (
     FUSED_ADAM,
     FUSED_SGD,
+    REPO,
     added_constant,
     drift_context,
     file_state,
@@ -187,6 +189,43 @@ def test_a_file_edited_after_apply_is_drifted_and_revert_keeps_it_unless_told(tr
         in result.stdout
     )
     assert same_tree(tree / "transformer_engine", pristine / "transformer_engine")
+
+
+def _without_git(args, tree):
+    """The command line with no git on PATH (the TE named by its path, or installed: the
+    release copy first on this Python's path)."""
+    pythonpath = os.pathsep.join([str(tree), str(REPO)])
+    return run_tool(args, pythonpath=pythonpath, PATH=str(tree / "no-bin-here"))
+
+
+@pytest.mark.parametrize("case", ["this version", "an earlier version", "edited", "installed"])
+def test_revert_works_without_git(tree, pristine, case):
+    """revert writes the saved originals back, which needs no git: as this version saved
+    them, as an earlier version did (no patches recorded), and with --discard-edits; for an
+    edited file without it, exit 4 says why git is needed and what else to do."""
+    assert run_tool(["apply", str(tree)]).returncode == 0
+    args = ["revert", "--installed" if case == "installed" else str(tree)]
+    if case == "an earlier version":
+        _record_saved(tree, "patched", tree / FUSED_ADAM)  # the same digests, no patches
+    if case == "edited":
+        with open(tree / FUSED_ADAM, "a", encoding="utf-8") as f:
+            f.write("# a local edit\n")
+        result = _without_git(args, tree)
+        assert result.returncode == 4 and result.stderr.count("\n") == 1, result.stderr
+        assert (
+            "telling an edit from a reinstall of TE needs git (git is needed but" in result.stderr
+        )
+        assert "or 'te-fusedadam-offload revert --discard-edits " in result.stderr
+        args.append("--discard-edits")
+    result = _without_git(args, tree)
+    assert result.returncode == 0, result.stderr
+    count = "the series" if case == "an earlier version" else f"{len(release_patches())} patch(es)"
+    assert f"reverted {count}: restored the saved original bytes and modes of 1 file(s)" in (
+        result.stdout
+    )
+    assert same_tree(tree / "transformer_engine", pristine / "transformer_engine")
+    result = _without_git(["status", str(tree)], tree)
+    assert result.returncode == 4 and "git is needed but was not found" in result.stderr
 
 
 def test_one_of_two_files_edited_after_apply(tree, pristine, series_home, two_file_patches):
