@@ -13,8 +13,9 @@ from .errors import NeedsError, ToolError
 from .patching import all_apply, failure, git, git_am
 from .saved import BACKUP_DIR, checked_state, modes, remove_stale_files, sha256, write_files
 from .series import compat_patches, patch_files, patch_label
-from .state import APPLIED, DRIFTED, EDITED, NOT_APPLIED, State
-from .target import Target, older_than_supported, supported_range, te_version
+from .report import drift_message
+from .state import APPLIED, DRIFTED, NOT_APPLIED, State
+from .target import Target, older_than_supported, te_version
 from .upstream import load_pin
 
 
@@ -47,7 +48,7 @@ def apply(target, patches=None):
     if state.overall == APPLIED:
         return "already applied; nothing to do"
     if state.overall == DRIFTED or older_than_supported(te_version(target)):
-        raise ToolError(_drift_message(target, state.rows, "apply", state.edited))
+        raise ToolError(drift_message(target, state.rows, "apply", state.edited))
     # Not applied, or the first patches only: the files before and after the whole series.
     originals, contents = state.before, state.after
     current = {rel: (target.root / rel).read_bytes() for rel in {**originals, **contents}}
@@ -100,7 +101,7 @@ def _apply_checkout(state):
     if state.overall == APPLIED:
         return "already applied; nothing to do"
     if state.overall == DRIFTED:
-        raise ToolError(_drift_message(state.target, state.rows, "apply"))
+        raise ToolError(drift_message(state.target, state.rows, "apply"))
     root = state.target.root
     if git(["status", "--porcelain", "--untracked-files=no"], root).stdout.strip():
         raise ToolError(f"{root} has uncommitted changes; commit or stash them first")
@@ -150,7 +151,7 @@ def revert(target, discard_edits=False):
         return "not applied; nothing to do"
     target.refuse_source_checkout("revert")
     if state.overall == DRIFTED:
-        raise ToolError(_drift_message(target, state.rows, "revert", state.edited))
+        raise ToolError(drift_message(target, state.rows, "revert", state.edited))
     # Applied, or the first patches only, without saved originals: reverse what is applied.
     contents = {
         rel: data for rel, data in state.before.items() if data != (target.root / rel).read_bytes()
@@ -221,52 +222,6 @@ def _subject(patch):
     return ""
 
 
-def _drift_message(target, rows, action, edited=()):
-    pin, found = load_pin(), te_version(target)
-    oldest, pinned = supported_range()
-    supported = f"TE {oldest} to {pinned}" if oldest != pinned else f"TE {pinned}"
-    pip = f"{target.python or 'python'} -m pip install"
-    if older_than_supported(found):
-        lead = (
-            f"found TE {found} at {target.root}; this series supports {supported} (made and "
-            f"tested for {pinned}): the FusedAdam code it builds on differs in older releases"
-        )
-    elif found is not None and found != pinned:
-        lead = f"found TE {found} at {target.root}; this series is made for TE {pinned}"
-    else:
-        lead = f"{target} has drifted from what the series expects (TE {pinned})"
-    if edited:
-        lead = f"{', '.join(edited)} {EDITED}"
-        advice = (
-            f"'te-fusedadam-offload revert --discard-edits {target.args}' writes the saved "
-            "originals back (what was changed after apply is lost; copy the file first to "
-            f"keep it){', then run apply again' if action == 'apply' else ''}"
-        )
-    elif target.kind == "checkout":
-        advice = f"check out the pinned main commit {pin['main']['commit']} and run {action} again"
-    elif target.kind == "tree":
-        advice = (
-            f"put the files of a supported TE ({supported}) there, unchanged (e.g. unpack its "
-            f"release wheel), or point at such a tree, and run {action} again"
-        )
-    elif found is not None and found != pinned:
-        advice = (
-            f"install TE {pinned} ({pip} 'transformer_engine[pytorch]=={pinned}') and run "
-            f"{action} again"
-        )
-    else:
-        advice = (
-            f"its files were changed by something else: reinstall TE {pinned} ({pip} "
-            f"--force-reinstall --no-deps 'transformer_engine=={pinned}') and run {action} again"
-        )
-    lines = [f"cannot {action}: {lead}"]
-    lines += [
-        f"  {name}: {state}" + (f" ({detail})" if detail else "") for name, state, detail in rows
-    ]
-    lines.append(f"What to do: {advice}.")
-    return "\n".join(lines)
-
-
 def dry_run(target, patches=None):
     """(what apply would say, the unified diff of what it would change): apply runs on a
     scratch copy of the files it reads; the target is not touched."""
@@ -275,7 +230,7 @@ def dry_run(target, patches=None):
         if state.overall == APPLIED:
             return "already applied; nothing to do", ""
         if state.overall == DRIFTED:
-            raise ToolError(_drift_message(target, state.rows, "apply"))
+            raise ToolError(drift_message(target, state.rows, "apply"))
         contents = state.after if state.overall == NOT_APPLIED else {}
         return f"would apply {len(state.series)} patches as commits with git am", _diff(
             target.root, contents

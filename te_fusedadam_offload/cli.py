@@ -24,7 +24,8 @@ from .errors import (
 from .maintainers import add_commands
 from .saved import remove_stale_files
 from .series import stack_prefix
-from .state import APPLIED, DRIFTED, NOT_APPLIED, State, file_report, notes
+from .report import file_report, notes
+from .state import APPLIED, DRIFTED, NOT_APPLIED, State
 from .target import find_target, older_than_supported, te_version
 from .upstream import load_pin
 

@@ -16,19 +16,14 @@ from pathlib import Path
 
 from .errors import ToolError
 from .patching import all_apply, failure, offsets
-from .saved import Backup, fault, file_digest, patch_ids, sha256
-from .series import compat_patches, load_checksums, patch_files, patch_label
+from .saved import Backup, fault, patch_ids, sha256
+from .series import compat_patches, patch_files, patch_label
 from .target import Target, te_version
-from .upstream import load_pin
 
 APPLIED, NOT_APPLIED, DRIFTED = "applied", "not applied", "drifted"
 INTERRUPTED = "interrupted"
 NOT_FOR_TARGET = "not for this target"
 NOT_CHECKED = "not checked"
-EDITED = (
-    "changed after apply patched it: neither the original bytes that apply saved nor as this "
-    "series patches them"
-)
 
 
 def _scratch_copy(target, files, originals, scratch):
@@ -267,65 +262,3 @@ class State:
         if overall == APPLIED:
             return {rel: sha256(data) for rel, data in self.before.items()}
         return {}
-
-
-def file_report(state, overall=None):
-    """[(path, what it is)] for the upstream files the series changes: the pinned release's
-    file (by its sha256 in patches/checksums), as this series makes it (from the state), and,
-    where it is neither (as on another TE version), by what the series does to it (`overall`,
-    default: the state's)."""
-    target = state.target
-    if target.leftover:
-        return [(rel, "missing (TE was uninstalled)") for rel in sorted(load_checksums())]
-    overall = overall or state.overall
-    pinned, found = load_pin()["version"], te_version(target)
-    other = found if found and found != pinned else None
-    patched = state.patched_files(overall)
-    report = []
-    for rel, (released, _) in sorted(load_checksums().items()):
-        digest = file_digest(target.root / rel)
-        if rel in state.edited:
-            report.append((rel, EDITED + " (the saved originals are kept)"))
-        elif digest is None:
-            report.append((rel, "missing"))
-        elif digest == released:
-            report.append((rel, f"as released in TE {pinned}"))
-        elif rel in patched:
-            of = pinned if patched[rel] == released else other or "of another version"
-            report.append((rel, f"TE {of}'s, patched by this series"))
-        elif (state.saved or {}).get(rel) == "patched" and state.other_version:
-            report.append((rel, "patched by another version of this series; apply replaces it"))
-        elif overall == NOT_APPLIED:
-            report.append((rel, f"as released in TE {other}" if other else "not patched"))
-        else:
-            report.append(
-                (
-                    rel,
-                    f"neither as released in TE {pinned} nor as this series patches that"
-                    + (f"; the TE here is {other}" if other else "")
-                    + ": edited, patched by something else, or of a release that the series "
-                    "does not apply to",
-                )
-            )
-    return report
-
-
-def notes(state, overall):
-    """What the user should know beyond the state: an installed TE that is a git checkout's;
-    TE reinstalled or upgraded over an apply."""
-    found = []
-    try:
-        state.target.refuse_source_checkout("apply")
-    except ToolError as exc:
-        found.append(str(exc))
-    saved = state.saved
-    if overall != NOT_APPLIED or not saved or "patched" in saved.values():
-        return found
-    then = (state.backup.meta or {}).get("te_version")
-    now = te_version(state.target)
-    change = f" (TE {then} then, TE {now} now)" if then and now and then != now else ""
-    return found + [
-        f"the series was applied here and is not now{change}: TE was reinstalled or upgraded "
-        "since (which undoes it), or an apply was stopped before it changed a file. Run apply "
-        "again; it is idempotent: run it after every install or upgrade of TE"
-    ]
