@@ -2,6 +2,8 @@
 status, check, revert), then the maintainers' (maintainers.py)."""
 
 import argparse
+import contextlib
+import io
 import json
 import os
 import shutil
@@ -12,16 +14,9 @@ import textwrap
 
 from . import __version__
 from .actions import apply, dry_run, revert
-from .errors import (
-    EXIT_INTERRUPTED,
-    EXIT_NEEDS,
-    EXIT_NO,
-    EXIT_NO_TARGET,
-    EXIT_USAGE,
-    ToolError,
-    interrupted_early,
-)
-from .maintainers import add_commands
+from .errors import EXIT_CODES, EXIT_INTERRUPTED, EXIT_USAGE, ToolError, interrupted_early
+from .maintainers import MAINTAINERS_COMMANDS, add_commands
+from .paths import repo_root
 from .saved import remove_stale_files
 from .series import stack_prefix
 from .report import file_report, notes
@@ -73,7 +68,8 @@ def cmd_status(args):
 
 def cmd_check(args):
     """Exit 0 if the series is applied or apply would apply it (or complete it, or replace
-    another version of it), 1 if the target drifted or is a TE older than supported."""
+    another version of it), 1 if the target drifted, is a TE older than supported, or is
+    installed from a git checkout (apply names the command for the checkout)."""
     state = State(_target(args))
     overall, found = _print_status(state), te_version(state.target)
     if overall == NOT_APPLIED and older_than_supported(found):
@@ -115,30 +111,24 @@ def cmd_revert(args):
         print(f"  {rel}: {what}")
 
 
-EXIT_CODES = f"""exit status:
-  0  success (status: the series is applied)
-  {EXIT_NO}  no: not applied or drifted (status), drifted (check), refused or stopped
-     (apply, revert: the message says what the files are), a failed check (maintainers)
-  {EXIT_USAGE}  bad arguments
-  {EXIT_NO_TARGET}  no TE where named: no such directory, no transformer_engine/ in it, none
-     installed in the Python, or only what apply saved left by an uninstall of TE
-  {EXIT_NEEDS}  something the tool needs is missing or unreachable: git, the Python of
-     --python, the package index
-  {EXIT_INTERRUPTED}  interrupted (Ctrl-C), after one line saying what the files are
-  141  the reader of the output went away (status | head -1)"""
-
-
-def build_parser():
-    """The argument parser: the commands for users first, then those for maintainers of the
-    series, which work in a checkout of its repository."""
+def build_parser(maintainers=None):
+    """The argument parser: the commands for users, then, in a checkout of the patch set's
+    repository (or with `maintainers`), those for maintainers of the series."""
+    if maintainers is None:
+        maintainers = repo_root() is not None
     parser = argparse.ArgumentParser(
         prog="te-fusedadam-offload",
         description=(
             "Apply, check and revert the FusedAdam state_dict_cpu_offload patch series on a\n"
             "TransformerEngine: the one installed in this Python (the default), the one of\n"
             "another Python (--python), a source checkout, or a directory holding\n"
-            "transformer_engine/. The commands marked [maintainers] make and check the series\n"
-            "itself; most of them work in a checkout of its repository."
+            "transformer_engine/."
+            + (
+                " The commands marked [maintainers] make and check the series\nitself, in a "
+                "checkout of its repository."
+                if maintainers
+                else ""
+            )
         ),
         epilog=EXIT_CODES,
         formatter_class=argparse.RawDescriptionHelpFormatter,
@@ -151,7 +141,7 @@ def build_parser():
             name,
             help=help_text,
             description=textwrap.fill(" ".join(help_text.split()), 80),
-            epilog=EXIT_CODES,
+            epilog="exit status: 0 success; the others are listed by te-fusedadam-offload --help",
             formatter_class=argparse.RawDescriptionHelpFormatter,
         )
         p.set_defaults(func=func)
@@ -183,6 +173,15 @@ def build_parser():
                 "tool installed elsewhere, e.g. with pipx): --python /path/to/venv/bin/python"
             ),
         )
+        p.add_argument(
+            "-q",
+            "--quiet",
+            action="store_true",
+            help=(
+                "print nothing on standard output: the exit status tells (errors still go to "
+                "standard error)"
+            ),
+        )
         if name == "apply":
             p.add_argument(
                 "--dry-run",
@@ -211,7 +210,8 @@ def build_parser():
                 ),
             )
 
-    add_commands(add)
+    if maintainers:
+        add_commands(add)
     return parser
 
 
@@ -240,7 +240,12 @@ def _interrupted(args):
 def _run(args):
     """The command of `args`; its exit status."""
     try:
-        code = args.func(args) or 0
+        with (
+            contextlib.redirect_stdout(io.StringIO())
+            if getattr(args, "quiet", 0)
+            else contextlib.nullcontext()
+        ):
+            code = args.func(args) or 0
         sys.stdout.flush()  # here, so that a closed pipe is caught below
         return code
     except ToolError as exc:
@@ -269,6 +274,15 @@ def main(argv=None, command=False):
     args = None
     try:
         signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
+        given = sys.argv[1:] if argv is None else argv
+        if repo_root() is None and given and given[0] in MAINTAINERS_COMMANDS:
+            print(
+                f"te-fusedadam-offload: error: {given[0]} is a command for the maintainers of "
+                "the series; it works in a checkout of the patch set's repository (python -m "
+                f"te_fusedadam_offload {given[0]} there)",
+                file=sys.stderr,
+            )
+            return EXIT_USAGE
         args = build_parser().parse_args(argv)
         return _run(args)
     except KeyboardInterrupt:

@@ -7,6 +7,19 @@ EXIT_NO_TARGET = 3  # no TE where named: no such directory, no transformer_engin
 EXIT_NEEDS = 4  # something the tool needs is missing or unreachable: git, a Python, the network
 EXIT_INTERRUPTED = 130  # stopped by Ctrl-C (128 + SIGINT), after saying what the files are
 
+# The table of `te-fusedadam-offload --help` (once: a command's help points at it).
+EXIT_CODES = f"""exit status:
+  0  success (status: the series is applied)
+  {EXIT_NO}  no: not applied or drifted (status), drifted (check), refused or stopped
+     (apply, revert: the message says what the files are), a failed check (maintainers)
+  {EXIT_USAGE}  bad arguments; a maintainers' command outside a checkout of the repository
+  {EXIT_NO_TARGET}  no TE where named: no such directory, no transformer_engine/ in it, none
+     installed in the Python, or only what apply saved left by an uninstall of TE
+  {EXIT_NEEDS}  something the tool needs is missing or unreachable: git, the Python of
+     --python, the package index
+  {EXIT_INTERRUPTED}  interrupted (Ctrl-C), after one line saying what the files are
+  141  the reader of the output went away (status | head -1)"""
+
 
 class ToolError(Exception):
     """A failure with a message for the user; the command exits with `code` (1 by default)."""

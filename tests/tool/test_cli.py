@@ -24,7 +24,7 @@ from support import (
 )
 
 import te_fusedadam_offload
-from te_fusedadam_offload import mainline, series, target, upstream
+from te_fusedadam_offload import mainline, maintainers, series, target, upstream
 
 
 def _run_cli(args, pythonpath, cwd, tool_home):
@@ -267,13 +267,60 @@ def test_python_that_is_not_one_exits_4_with_a_one_line_reason(tmp_path):
         assert "find_spec" not in lines[0] and result.stdout == ""
 
 
-def test_help_lists_the_user_commands_first():
+USER_COMMANDS = ["apply", "status", "check", "revert"]
+
+
+def test_help_lists_the_user_commands_first_and_the_exit_statuses_once():
+    """In a checkout: the users' commands, then the maintainers'; the exit-status table is in
+    --help, and each command's help points at it in one line (it was repeated in each)."""
     out = run_tool(["--help"]).stdout
     listed = re.findall(r"^    (\S+)", out, re.MULTILINE)
-    assert listed[:4] == ["apply", "status", "check", "revert"]
-    for name in ("fetch", "materialize", "refresh", "drift", "check-main", "lint", "pr"):
+    assert listed[:4] == USER_COMMANDS
+    for name in maintainers.MAINTAINERS_COMMANDS:
         assert re.search(rf"^    {name}\s+\[maintainers\]", out, re.MULTILINE), name
-    assert "exit status:" in out and "  3  no TE where named" in out
+    assert out.count("exit status:") == 1 and "  3  no TE where named" in out
+    for name in USER_COMMANDS + list(maintainers.MAINTAINERS_COMMANDS):
+        out = run_tool([name, "--help"]).stdout
+        assert out.rstrip().endswith(
+            "exit status: 0 success; the others are listed by te-fusedadam-offload --help"
+        ), name
+        assert "no TE where named" not in out, name
+
+
+def test_installed_tool_has_only_the_users_commands(installed_tool, tmp_path):
+    """Installed (no checkout around it), --help lists the users' commands only, and a
+    maintainers' command is a usage error (2, one line) instead of exit 1."""
+    out = run_tool(["--help"], cwd=tmp_path, pythonpath=installed_tool).stdout
+    assert re.findall(r"^    (\S+)", out, re.MULTILINE) == USER_COMMANDS
+    assert "[maintainers]" not in out and out.count("exit status:") == 1
+    for name in maintainers.MAINTAINERS_COMMANDS:
+        result = run_tool([name], cwd=tmp_path, pythonpath=installed_tool)
+        assert result.returncode == 2 and result.stdout == "", name
+        assert result.stderr.splitlines() == [
+            f"te-fusedadam-offload: error: {name} is a command for the maintainers of the "
+            "series; it works in a checkout of the patch set's repository (python -m "
+            f"te_fusedadam_offload {name} there)"
+        ]
+
+
+def test_quiet_prints_nothing_and_keeps_the_exit_status(tree):
+    """-q: nothing on stdout (check is used for its exit status); errors still on stderr."""
+    for args, code in (
+        (["check"], 0),
+        (["status"], 1),
+        (["apply"], 0),
+        (["status"], 0),
+        (["status", "--json"], 0),
+        (["revert"], 0),
+    ):
+        result = run_tool([*args, "-q", str(tree)])
+        assert (result.returncode, result.stdout, result.stderr) == (code, "", ""), args
+    drift_context(tree)
+    result = run_tool(["check", "-q", str(tree)])
+    assert (result.returncode, result.stdout, result.stderr) == (1, "", "")
+    result = run_tool(["apply", "-q", str(tree)])
+    assert result.returncode == 1 and result.stdout == ""
+    assert result.stderr.startswith("te-fusedadam-offload apply: error: cannot apply:")
 
 
 def test_drift_message_keeps_its_parentheses_and_fits_a_directory(tree):
