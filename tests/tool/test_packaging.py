@@ -32,6 +32,15 @@ def test_wheel_carries_the_series(wheel):
     )
     pinned = json.loads(zipfile.ZipFile(wheel).read("te_fusedadam_offload/_data/upstream.json"))
     assert pinned == upstream.load_pin()
+    # torch: only for the stager, as an extra with no version bound (never replaced by pip).
+    metadata = (
+        zipfile.ZipFile(wheel)
+        .read(next(n for n in names if n.endswith(".dist-info/METADATA")))
+        .decode()
+    )
+    assert "Provides-Extra: staging" in metadata
+    requires = [line for line in metadata.splitlines() if line.startswith("Requires-Dist:")]
+    assert [r for r in requires if "torch" in r] == ['Requires-Dist: torch; extra == "staging"']
 
 
 @pytest.mark.skipif(sys.prefix == sys.base_prefix, reason="the tool's tests run outside a venv")
