@@ -49,7 +49,6 @@ this checkpoint started). With --overlap the rows are written once every upload 
 
 import argparse
 import gc
-import json
 import os
 import shutil
 import statistics
@@ -73,7 +72,7 @@ from te_fusedadam_offload.staging import CheckpointStager
 
 # The model, the optimizer and the helpers of the DCP benchmark beside this one (run as a
 # script, this folder is on sys.path).
-from benchmark_dcp_checkpoint import GiB, _build, _checkpoint_dir, _max_over_ranks
+from benchmark_dcp_checkpoint import GiB, _build, _checkpoint_dir, _emit, _max_over_ranks
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tests" / "staging"))
 from slow_storage import SlowWriter  # pylint: disable=wrong-import-position
@@ -247,12 +246,7 @@ def _write_rows(args, pending):
         for key, value in times.items():
             row[key] = round(_max_over_ranks(value), 4)
         row["stall_s"] = round(row["total_s"] - row["iteration_s"], 4)
-        if dist.get_rank() == 0:
-            line = json.dumps(row)
-            print(line, flush=True)
-            if args.out:
-                with open(args.out, "a", encoding="utf-8") as f:
-                    f.write(line + "\n")
+        _emit(args, row)
     pending.clear()
 
 

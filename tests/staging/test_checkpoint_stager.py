@@ -138,7 +138,9 @@ def _same(a, b):
             assert value == b[key], key
 
 
-def _save(model, optimizer, stager, path, group):
+def _save(model, optimizer, stager, path, group, storage_writer=None):
+    """dcp.async_save of the model (GPU) and the export (CPU) to `path`, or with
+    `storage_writer` (which names its path)."""
     state = {
         "model": get_model_state_dict(model),  # GPU tensors: the stager copies them
         "optim": get_optimizer_state_dict(model, optimizer, options=OFFLOAD),
@@ -147,7 +149,8 @@ def _save(model, optimizer, stager, path, group):
         for tensor in value.values():
             if isinstance(tensor, torch.Tensor):
                 assert tensor.device.type == "cpu"  # the export: passed through
-    return dcp.async_save(state, checkpoint_id=path, process_group=group, async_stager=stager)
+    where = {"storage_writer": storage_writer} if storage_writer else {"checkpoint_id": path}
+    return dcp.async_save(state, process_group=group, async_stager=stager, **where)
 
 
 def _load(path):
@@ -216,21 +219,14 @@ def test_overlapping_checkpoints_with_a_slow_storage_writer_load_back_bitwise(
     for n in range(3):
         _step(model, optimizer, 10 * n)
         saved.append(_snapshot(model, optimizer))
-        state = {
-            "model": get_model_state_dict(model),
-            "optim": get_optimizer_state_dict(model, optimizer, options=OFFLOAD),
-        }
         writer = SlowWriter(os.path.join(ckpt_root, f"ckpt-{n}"), delay_s=3.0 if n < 2 else 0.0)
         # A group per checkpoint: DCP runs overlapping uploads at once, each in its thread.
         group = dist.new_group(backend="gloo")
-        result = dcp.async_save(
-            state, storage_writer=writer, process_group=group, async_stager=stager
-        )
+        result = _save(model, optimizer, stager, None, group, storage_writer=writer)
         if async_staging:
             result.staging_completion.result()
             result = result.upload_completion
         uploads.append(result)
-        del state
     assert not uploads[0].done()  # the later stagings came while it had still to write
     for upload in uploads:
         upload.result()

@@ -8,7 +8,6 @@ import signal
 import subprocess
 import sys
 import zipfile
-from pathlib import Path
 
 import pytest
 from support import (
@@ -17,6 +16,7 @@ from support import (
     drift_context,
     git,
     listing,
+    purelib,
     release_patches,
     release_wheel,
     run_tool,
@@ -59,17 +59,7 @@ def _source_install(tree, tmp_path):
     git(["commit", "-qm", "TE"], tree)
     venv = tmp_path / "venv"
     subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True)
-    purelib = subprocess.run(
-        [
-            str(venv / "bin" / "python"),
-            "-c",
-            "import sysconfig; print(sysconfig.get_path('purelib'))",
-        ],
-        capture_output=True,
-        text=True,
-        check=True,
-    ).stdout.strip()
-    Path(purelib, "te-source.pth").write_text(f"{tree}\n")
+    (purelib(venv / "bin" / "python") / "te-source.pth").write_text(f"{tree}\n")
     return venv / "bin" / "python"
 
 
@@ -354,14 +344,7 @@ def test_pip_uninstall_reinstall_and_upgrade_of_a_patched_te(tmp_path, tool_home
     interrupted); upgraded over an apply, status says so and apply applies again."""
     venv = tmp_path / "venv"
     python = _venv_with_te(venv, "2.20.2")
-    site = Path(
-        subprocess.run(
-            [str(python), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
-            capture_output=True,
-            text=True,
-            check=True,
-        ).stdout.strip()
-    )
+    site = purelib(python)
 
     def tool(*args):
         return run_tool([*args, "--python", str(python)], cwd=tmp_path, pythonpath=tool_home)

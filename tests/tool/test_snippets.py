@@ -15,10 +15,9 @@ import sys
 import symtable
 import zipfile
 from dataclasses import dataclass
-from pathlib import Path
 
 import pytest
-from support import FUSED_ADAM, REPO, release_wheel
+from support import FUSED_ADAM, REPO, purelib, release_wheel
 
 from te_fusedadam_offload import upstream
 
@@ -201,19 +200,10 @@ def test_shell_blocks_run_in_order_as_a_new_user_would(tmp_path):
         assert result.returncode == 0, f"{block.where}:\n{result.stdout}\n{result.stderr}"
         ran.append(block.code)
     assert any("apply --installed" in c for c in ran) and "revert --installed" in ran[-1]
-    site = subprocess.run(
-        [
-            str(venv / "bin" / "python"),
-            "-c",
-            "import sysconfig; print(sysconfig.get_path('purelib'))",
-        ],
-        capture_output=True,
-        text=True,
-        check=True,
-    ).stdout.strip()
+    site = purelib(venv / "bin" / "python")
     with zipfile.ZipFile(wheel) as zf:
-        assert (Path(site) / FUSED_ADAM).read_bytes() == zf.read(FUSED_ADAM)
-    assert not (Path(site) / "te_fusedadam_offload").exists()
+        assert (site / FUSED_ADAM).read_bytes() == zf.read(FUSED_ADAM)
+    assert not (site / "te_fusedadam_offload").exists()
 
 
 def test_the_configuration_snippet_names_the_option_and_a_real_target(pristine):
