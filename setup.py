@@ -50,6 +50,10 @@ setup(
     python_requires=">=3.10",
     packages=[MODULE],
     install_requires=['tomli>=1.1; python_version < "3.11"'],
-    entry_points={"console_scripts": [f"te-fusedadam-offload={MODULE}.cli:main"]},
+    # The tool needs no torch; the stager (and gpu_check) do. No version bound, so that pip
+    # never replaces the torch of an environment (a container's CUDA build, say): the README
+    # says which releases were tested.
+    extras_require={"staging": ["torch"]},
+    entry_points={"console_scripts": [f"te-fusedadam-offload={MODULE}.__main__:main"]},
     cmdclass={"build_py": BuildWithSeries},
 )

@@ -9,12 +9,13 @@ import shutil
 import tempfile
 from pathlib import Path
 
-from .errors import ToolError
+from .errors import NeedsError, ToolError
 from .patching import all_apply, failure, git, git_am
 from .saved import BACKUP_DIR, checked_state, modes, remove_stale_files, sha256, write_files
 from .series import compat_patches, patch_files, patch_label
+from .report import drift_message
 from .state import APPLIED, DRIFTED, NOT_APPLIED, State
-from .target import Target, older_than_supported, supported_range, te_version
+from .target import Target, older_than_supported, te_version
 from .upstream import load_pin
 
 
@@ -25,6 +26,7 @@ def apply(target, patches=None):
     if target.kind == "checkout":
         return _apply_checkout(State(target, patches))
     target.refuse_leftover()
+    target.refuse_source_checkout("apply")
     remove_stale_files(target)
     state = State(target, patches)
     if state.saved and set(state.saved.values()) == {"original"}:
@@ -46,7 +48,7 @@ def apply(target, patches=None):
     if state.overall == APPLIED:
         return "already applied; nothing to do"
     if state.overall == DRIFTED or older_than_supported(te_version(target)):
-        raise ToolError(_drift_message(target, state.rows, "apply"))
+        raise ToolError(drift_message(target, state.rows, "apply", state.edited))
     # Not applied, or the first patches only: the files before and after the whole series.
     originals, contents = state.before, state.after
     current = {rel: (target.root / rel).read_bytes() for rel in {**originals, **contents}}
@@ -99,7 +101,7 @@ def _apply_checkout(state):
     if state.overall == APPLIED:
         return "already applied; nothing to do"
     if state.overall == DRIFTED:
-        raise ToolError(_drift_message(state.target, state.rows, "apply"))
+        raise ToolError(drift_message(state.target, state.rows, "apply"))
     root = state.target.root
     if git(["status", "--porcelain", "--untracked-files=no"], root).stdout.strip():
         raise ToolError(f"{root} has uncommitted changes; commit or stash them first")
@@ -107,10 +109,11 @@ def _apply_checkout(state):
     return f"applied {len(state.series)} patches as commits with git am"
 
 
-def revert(target):
+def revert(target, discard_edits=False):
     """Take the series out again; a no-op if it is not applied. The saved originals are
     written back with their modes; without them (a TE patched otherwise), the series is
-    reversed."""
+    reversed. A file changed after apply patched it is refused, unless `discard_edits`: then
+    its saved original is written back too, and the message names it."""
     if target.kind == "checkout":
         return _revert_checkout(State(target))
     if target.leftover:
@@ -123,8 +126,21 @@ def revert(target):
         )
     remove_stale_files(target)
     state = State(target)
-    if state.from_saved:
+    if state.from_saved:  # also in a source checkout, where an earlier version applied it so
         return _restore_saved(state)
+    changed = state.changed_since_apply()  # the saved originals are written back without git
+    if changed and discard_edits:
+        return _restore_saved(state, discard=changed)
+    try:
+        state.overall  # pylint: disable=pointless-statement
+    except NeedsError as exc:
+        if not changed:
+            raise
+        raise NeedsError(
+            f"{', '.join(changed)}: neither as apply wrote it nor the original that it saved; "
+            f"telling an edit from a reinstall of TE needs git ({exc}); or 'te-fusedadam-offload "
+            f"revert --discard-edits {target.args}' writes the saved originals back"
+        ) from exc
     if state.overall == NOT_APPLIED:
         if state.saved:  # of a TE that was reinstalled or upgraded since: they restore nothing now
             shutil.rmtree(state.backup.dir)
@@ -133,8 +149,9 @@ def revert(target):
                 "original files saved then"
             )
         return "not applied; nothing to do"
+    target.refuse_source_checkout("revert")
     if state.overall == DRIFTED:
-        raise ToolError(_drift_message(target, state.rows, "revert"))
+        raise ToolError(drift_message(target, state.rows, "revert", state.edited))
     # Applied, or the first patches only, without saved originals: reverse what is applied.
     contents = {
         rel: data for rel, data in state.before.items() if data != (target.root / rel).read_bytes()
@@ -144,11 +161,12 @@ def revert(target):
     return f"reverted {state.applied} patch(es)"
 
 
-def _restore_saved(state):
-    """Write the saved originals back over the files that are patched, and forget them."""
+def _restore_saved(state, discard=()):
+    """Write the saved originals back over the files that are patched (and those of
+    `discard`, changed after the apply), and forget them."""
     target, backup = state.target, state.backup
-    count = len(backup.patches() or state.relevant)  # how many patches made the saved state
-    todo = [rel for rel, s in state.saved.items() if s == "patched"]
+    count = len(backup.patches() or ())  # how many patches made the saved state, if it says
+    todo = [rel for rel, s in state.saved.items() if s == "patched" or rel in discard]
     originals = {rel: backup.original(rel) for rel in todo}
     write_files(target, originals, {rel: backup.state[rel]["mode"] for rel in todo}, "revert")
     try:
@@ -159,10 +177,13 @@ def _restore_saved(state):
         ) from exc
     if not todo:
         return "not applied; removed the saved originals that an interrupted run left"
-    return (
-        f"reverted {count} patch(es): restored the saved original bytes and modes "
-        f"of {len(todo)} file(s)"
+    done = (
+        f"reverted {f'{count} patch(es)' if count else 'the series'}: restored the saved "
+        f"original bytes and modes of {len(todo)} file(s)"
     )
+    if discard:
+        done += f"; discarded what was changed after apply in {', '.join(discard)}"
+    return done
 
 
 def _revert_checkout(state):
@@ -201,45 +222,6 @@ def _subject(patch):
     return ""
 
 
-def _drift_message(target, rows, action):
-    pin, found = load_pin(), te_version(target)
-    oldest, pinned = supported_range()
-    supported = f"TE {oldest} to {pinned}" if oldest != pinned else f"TE {pinned}"
-    pip = f"{target.python or 'python'} -m pip install"
-    if older_than_supported(found):
-        lead = (
-            f"found TE {found} at {target.root}; this series supports {supported} (made and "
-            f"tested for {pinned}): the FusedAdam code it builds on differs in older releases"
-        )
-    elif found is not None and found != pinned:
-        lead = f"found TE {found} at {target.root}; this series is made for TE {pinned}"
-    else:
-        lead = f"{target} has drifted from what the series expects (TE {pinned})"
-    if target.kind == "checkout":
-        advice = f"check out the pinned main commit {pin['main']['commit']} and run {action} again"
-    elif target.kind == "tree":
-        advice = (
-            f"put the files of a supported TE ({supported}) there, unchanged (e.g. unpack its "
-            f"release wheel), or point at such a tree, and run {action} again"
-        )
-    elif found is not None and found != pinned:
-        advice = (
-            f"install TE {pinned} ({pip} 'transformer_engine[pytorch]=={pinned}') and run "
-            f"{action} again"
-        )
-    else:
-        advice = (
-            f"its files were changed by something else: reinstall TE {pinned} ({pip} "
-            f"--force-reinstall --no-deps 'transformer_engine=={pinned}') and run {action} again"
-        )
-    lines = [f"cannot {action}: {lead}"]
-    lines += [
-        f"  {name}: {state}" + (f" ({detail})" if detail else "") for name, state, detail in rows
-    ]
-    lines.append(f"What to do: {advice}.")
-    return "\n".join(lines)
-
-
 def dry_run(target, patches=None):
     """(what apply would say, the unified diff of what it would change): apply runs on a
     scratch copy of the files it reads; the target is not touched."""
@@ -248,12 +230,13 @@ def dry_run(target, patches=None):
         if state.overall == APPLIED:
             return "already applied; nothing to do", ""
         if state.overall == DRIFTED:
-            raise ToolError(_drift_message(target, state.rows, "apply"))
+            raise ToolError(drift_message(target, state.rows, "apply"))
         contents = state.after if state.overall == NOT_APPLIED else {}
         return f"would apply {len(state.series)} patches as commits with git am", _diff(
             target.root, contents
         )
     target.refuse_leftover()
+    target.refuse_source_checkout("apply")
     with tempfile.TemporaryDirectory() as tmp:
         scratch = Path(tmp)
         package = target.root / target.subtree

@@ -2,24 +2,32 @@
 status, check, revert), then the maintainers' (maintainers.py)."""
 
 import argparse
+import contextlib
+import io
 import json
 import os
+import shutil
 import signal
 import sys
+import tempfile
 import textwrap
 
 from . import __version__
 from .actions import apply, dry_run, revert
-from .errors import EXIT_NEEDS, EXIT_NO, EXIT_NO_TARGET, EXIT_USAGE, ToolError
-from .maintainers import add_commands
+from .errors import EXIT_CODES, EXIT_INTERRUPTED, EXIT_USAGE, ToolError, interrupted_early
+from .maintainers import MAINTAINERS_COMMANDS, add_commands
+from .paths import repo_root
+from .saved import remove_stale_files
 from .series import stack_prefix
-from .state import APPLIED, DRIFTED, NOT_APPLIED, State, file_report, notes
+from .report import file_report, notes
+from .state import APPLIED, DRIFTED, NOT_APPLIED, State
 from .target import find_target, older_than_supported, te_version
 from .upstream import load_pin
 
 
 def _target(args):
-    return find_target(args.path, args.installed, args.python)
+    args.target = find_target(args.path, args.installed, args.python)
+    return args.target
 
 
 def _print_status(state):
@@ -60,11 +68,16 @@ def cmd_status(args):
 
 def cmd_check(args):
     """Exit 0 if the series is applied or apply would apply it (or complete it, or replace
-    another version of it), 1 if the target drifted or is a TE older than supported."""
+    another version of it), 1 if the target drifted, is a TE older than supported, or is
+    installed from a git checkout (apply names the command for the checkout)."""
     state = State(_target(args))
     overall, found = _print_status(state), te_version(state.target)
     if overall == NOT_APPLIED and older_than_supported(found):
         print(f"  TE {found} is older than the releases the series supports")
+        return 1
+    if overall != APPLIED and state.target.source_checkout:
+        for note in notes(state, overall):
+            print(f"  {note}")
         return 1
     if overall != DRIFTED:
         return 0
@@ -83,43 +96,39 @@ def cmd_apply(args):
         sys.stdout.write(diff)
         print(f"dry run: {target}: {message}; nothing was changed")
         return
-    print(f"{target}: {apply(target, patches)}")
+    message = apply(target, patches)
     overall = State(target, patches).overall
     if overall != APPLIED:
         raise ToolError(f"after applying, the series reads as {overall}")
+    print(f"{target}: {message}")  # last: an interrupt before it is reported as one
 
 
 def cmd_revert(args):
     """Take the series out, restoring the exact files it changed."""
     target = _target(args)
-    print(f"{target}: {revert(target)}")
+    print(f"{target}: {revert(target, args.discard_edits)}")
     for rel, what in file_report(State(target), NOT_APPLIED):
         print(f"  {rel}: {what}")
 
 
-EXIT_CODES = f"""exit status:
-  0  success (status: the series is applied)
-  {EXIT_NO}  no: not applied or drifted (status), drifted (check), refused or stopped
-     (apply, revert: the message says what the files are), a failed check (maintainers)
-  {EXIT_USAGE}  bad arguments
-  {EXIT_NO_TARGET}  no TE where named: no such directory, no transformer_engine/ in it, none
-     installed in the Python, or only what apply saved left by an uninstall of TE
-  {EXIT_NEEDS}  something the tool needs is missing or unreachable: git, the Python of
-     --python, the package index
-  141  the reader of the output went away (status | head -1)"""
-
-
-def build_parser():
-    """The argument parser: the commands for users first, then those for maintainers of the
-    series, which work in a checkout of its repository."""
+def build_parser(maintainers=None):
+    """The argument parser: the commands for users, then, in a checkout of the patch set's
+    repository (or with `maintainers`), those for maintainers of the series."""
+    if maintainers is None:
+        maintainers = repo_root() is not None
     parser = argparse.ArgumentParser(
         prog="te-fusedadam-offload",
         description=(
             "Apply, check and revert the FusedAdam state_dict_cpu_offload patch series on a\n"
             "TransformerEngine: the one installed in this Python (the default), the one of\n"
             "another Python (--python), a source checkout, or a directory holding\n"
-            "transformer_engine/. The commands marked [maintainers] make and check the series\n"
-            "itself; most of them work in a checkout of its repository."
+            "transformer_engine/."
+            + (
+                " The commands marked [maintainers] make and check the series\nitself, in a "
+                "checkout of its repository."
+                if maintainers
+                else ""
+            )
         ),
         epilog=EXIT_CODES,
         formatter_class=argparse.RawDescriptionHelpFormatter,
@@ -132,7 +141,7 @@ def build_parser():
             name,
             help=help_text,
             description=textwrap.fill(" ".join(help_text.split()), 80),
-            epilog=EXIT_CODES,
+            epilog="exit status: 0 success; the others are listed by te-fusedadam-offload --help",
             formatter_class=argparse.RawDescriptionHelpFormatter,
         )
         p.set_defaults(func=func)
@@ -164,6 +173,15 @@ def build_parser():
                 "tool installed elsewhere, e.g. with pipx): --python /path/to/venv/bin/python"
             ),
         )
+        p.add_argument(
+            "-q",
+            "--quiet",
+            action="store_true",
+            help=(
+                "print nothing on standard output: the exit status tells (errors still go to "
+                "standard error)"
+            ),
+        )
         if name == "apply":
             p.add_argument(
                 "--dry-run",
@@ -182,16 +200,52 @@ def build_parser():
             )
         if name == "status":
             p.add_argument("--json", action="store_true", help="print the report as JSON")
+        if name == "revert":
+            p.add_argument(
+                "--discard-edits",
+                action="store_true",
+                help=(
+                    "also write the saved original back over a file that was changed after "
+                    "apply patched it (that change is lost; revert names the file)"
+                ),
+            )
 
-    add_commands(add)
+    if maintainers:
+        add_commands(add)
     return parser
 
 
-def main(argv=None):
-    """Entry point; returns the exit status (EXIT_CODES)."""
-    args = build_parser().parse_args(argv)
+def _on_sigint(signum, frame):  # pylint: disable=unused-argument
+    """The first Ctrl-C stops the command; later ones are ignored while it says what it left."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    raise KeyboardInterrupt
+
+
+def _interrupted(args):
+    """The line that an interrupted command prints: what the files are, read back (with
+    Ctrl-C ignored; git run for it ignores it too)."""
+    target = args.target
+    if args.command not in ("apply", "revert") or getattr(args, "dry_run", False):
+        return f"interrupted; nothing was changed ({args.command} only reads)"
     try:
-        code = args.func(args) or 0
+        if target.kind != "checkout":
+            remove_stale_files(target)  # what the next apply or revert would remove first
+        state = State(target)
+        files = "; ".join(f"{rel}: {what}" for rel, what in file_report(state))
+        return f"interrupted; {files} (status: {state.overall})"
+    except ToolError as exc:
+        return f"interrupted; {str(exc).splitlines()[0]}"
+
+
+def _run(args):
+    """The command of `args`; its exit status."""
+    try:
+        with (
+            contextlib.redirect_stdout(io.StringIO())
+            if getattr(args, "quiet", 0)
+            else contextlib.nullcontext()
+        ):
+            code = args.func(args) or 0
         sys.stdout.flush()  # here, so that a closed pipe is caught below
         return code
     except ToolError as exc:
@@ -205,5 +259,42 @@ def main(argv=None):
         return 128 + signal.SIGPIPE
 
 
-if __name__ == "__main__":
-    sys.exit(main())
+def main(argv=None, command=False):
+    """Entry point; returns the exit status (EXIT_CODES). Scratch copies go into a directory
+    of this run in $TMPDIR, removed at the end, also after Ctrl-C, which ends the command with
+    one line saying what the files are (exit 130). As the command (`command`, __main__.py),
+    a Ctrl-C after the work is done is ignored: the exit status is that of the work."""
+    previous = signal.getsignal(signal.SIGINT)
+    if previous is not signal.SIG_IGN:  # as Python does, a SIGINT ignored at start stays so
+        signal.signal(signal.SIGINT, _on_sigint)
+    # Ctrl-C is held back until the scratch directory is known, so that it is removed.
+    signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+    tempdir = tempfile.tempdir
+    scratch = tempfile.tempdir = tempfile.mkdtemp(prefix="te-fusedadam-offload-")
+    args = None
+    try:
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
+        given = sys.argv[1:] if argv is None else argv
+        if repo_root() is None and given and given[0] in MAINTAINERS_COMMANDS:
+            print(
+                f"te-fusedadam-offload: error: {given[0]} is a command for the maintainers of "
+                "the series; it works in a checkout of the patch set's repository (python -m "
+                f"te_fusedadam_offload {given[0]} there)",
+                file=sys.stderr,
+            )
+            return EXIT_USAGE
+        args = build_parser().parse_args(argv)
+        return _run(args)
+    except KeyboardInterrupt:
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        if getattr(args, "target", None) is None:
+            print(interrupted_early(sys.argv[1:] if argv is None else argv), file=sys.stderr)
+        else:
+            print(f"te-fusedadam-offload {args.command}: {_interrupted(args)}", file=sys.stderr)
+        return EXIT_INTERRUPTED
+    finally:
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        shutil.rmtree(scratch, ignore_errors=True)
+        tempfile.tempdir = tempdir
+        if not command:
+            signal.signal(signal.SIGINT, previous)

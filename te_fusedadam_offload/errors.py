@@ -5,6 +5,20 @@ EXIT_NO = 1  # the answer is no: not applied, drifted, a failed check; or a run 
 EXIT_USAGE = 2  # bad arguments (argparse)
 EXIT_NO_TARGET = 3  # no TE where named: no such directory, no transformer_engine/ in it
 EXIT_NEEDS = 4  # something the tool needs is missing or unreachable: git, a Python, the network
+EXIT_INTERRUPTED = 130  # stopped by Ctrl-C (128 + SIGINT), after saying what the files are
+
+# The table of `te-fusedadam-offload --help` (once: a command's help points at it).
+EXIT_CODES = f"""exit status:
+  0  success (status: the series is applied)
+  {EXIT_NO}  no: not applied or drifted (status), drifted (check), refused or stopped
+     (apply, revert: the message says what the files are), a failed check (maintainers)
+  {EXIT_USAGE}  bad arguments; a maintainers' command outside a checkout of the repository
+  {EXIT_NO_TARGET}  no TE where named: no such directory, no transformer_engine/ in it, none
+     installed in the Python, or only what apply saved left by an uninstall of TE
+  {EXIT_NEEDS}  something the tool needs is missing or unreachable: git, the Python of
+     --python, the package index
+  {EXIT_INTERRUPTED}  interrupted (Ctrl-C), after one line saying what the files are
+  141  the reader of the output went away (status | head -1)"""
 
 
 class ToolError(Exception):
@@ -30,3 +44,9 @@ class NeedsError(ToolError):
     unreachable: the command exits with status 4."""
 
     code = EXIT_NEEDS
+
+
+def interrupted_early(argv):
+    """The line of a command stopped by Ctrl-C before it found its TE (`argv`: its arguments)."""
+    name = " ".join(["te-fusedadam-offload", *[a for a in argv[:1] if a[:1] != "-"]])
+    return f"{name}: interrupted before it read the TE; nothing was changed"

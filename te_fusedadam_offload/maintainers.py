@@ -8,7 +8,7 @@ import tempfile
 from pathlib import Path
 
 from .drift import CONFLICT, drift
-from .errors import EXIT_NEEDS, EXIT_NO, ToolError
+from .errors import EXIT_NEEDS, EXIT_NO, ToolError, UsageError
 from .generate import compare_dirs, generate
 from .mainline import MAIN_DIR, NO_MAIN_TREE, check_main, main_tree
 from .patching import apply_in_order
@@ -31,7 +31,7 @@ from .upstream import fetch_pinned, load_pin, pristine_tree
 def _repo():
     root = repo_root()
     if root is None:
-        raise ToolError("this command works in a checkout of the patch set's repository")
+        raise UsageError("this command works in a checkout of the patch set's repository")
     return root
 
 
@@ -247,6 +247,9 @@ def cmd_pr(args):
     """Write the stack of pull requests signed off by you (your git identity, or --identity),
     ready for git am / git send-email; the committed patches carry a placeholder."""
     print(signed_off(args.out, args.identity))
+
+
+MAINTAINERS_COMMANDS = ("fetch", "materialize", "refresh", "drift", "check-main", "lint", "pr")
 
 
 def add_commands(add):

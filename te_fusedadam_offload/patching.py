@@ -6,6 +6,7 @@ process (apply_at_once, which the scratch copies of state.py try first), and `gi
 import os
 import re
 import shutil
+import signal
 import subprocess
 from pathlib import Path
 
@@ -119,8 +120,15 @@ def offsets(result):
 def git_am(repo, patches, env=None, what="git am"):
     """`git am --keep-non-patch` of `patches` in the git repository `repo` (the option keeps
     the `[PyTorch]` title prefixes); if one does not apply, the am is aborted and ToolError
-    says `what` failed, with git's output."""
-    result = git(["am", "--keep-non-patch", *map(str, patches)], repo, env, check=False)
+    says `what` failed, with git's output; interrupted, it is aborted too."""
+    head = git(["rev-parse", "HEAD"], repo, env).stdout.strip()
+    try:
+        result = git(["am", "--keep-non-patch", *map(str, patches)], repo, env, check=False)
+    except KeyboardInterrupt:  # Ctrl-C stops git am too: take back the commits it made
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        git(["am", "--abort"], repo, env, check=False)  # which keeps them when interrupted
+        git(["reset", "-q", "--keep", head], repo, env, check=False)
+        raise
     if result.returncode != 0:
         git(["am", "--abort"], repo, env, check=False)
         output = (result.stdout + result.stderr).strip()

@@ -33,10 +33,11 @@ _fault_counts = {}
 
 def fault(point):
     """Test hook. With TE_FUSEDADAM_OFFLOAD_FAULT=POINT[#N]:ACTION the N-th time (default: the
-    first) that the tool reaches POINT it kills itself (ACTION "kill", SIGKILL) or fails as a
-    full or broken disk would ("enospc", "eio"). Points: "write" (half of a new file written),
-    "replace" (a new file written and synced, before it replaces the old one), "unlink" (before
-    the saved originals are removed)."""
+    first) that the tool reaches POINT it kills itself (ACTION "kill", SIGKILL), interrupts
+    itself as Ctrl-C does ("int", SIGINT) or fails as a full or broken disk would ("enospc",
+    "eio"). Points: "write" (half of a new file written), "replace" (a new file written and
+    synced, before it replaces the old one), "unlink" (before the saved originals are
+    removed), "scratch" (a scratch copy of the target's files made, in $TMPDIR)."""
     spec = os.environ.get(FAULT_ENV)
     if not spec:
         return
@@ -47,8 +48,9 @@ def fault(point):
     _fault_counts[point] = _fault_counts.get(point, 0) + 1
     if _fault_counts[point] != int(nth or 1):
         return
-    if action == "kill":
-        os.kill(os.getpid(), signal.SIGKILL)
+    if action in ("kill", "int"):
+        os.kill(os.getpid(), signal.SIGKILL if action == "kill" else signal.SIGINT)
+        return
     code = {"enospc": errno.ENOSPC, "eio": errno.EIO}[action]
     raise OSError(code, os.strerror(code))
 

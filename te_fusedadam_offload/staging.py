@@ -18,7 +18,7 @@ buffers that it keeps for the next checkpoint, and passes CPU tensors through as
     upload = dcp.async_save(state, checkpoint_id=path, async_stager=stager,
                             process_group=checkpoint_group)
     ...  # training goes on; the staged model part is a copy
-    upload.result()  # before the next checkpoint
+    upload.result()  # before the next checkpoint, as DCP's collectives need
     stager.close()  # at the end
 
 This module is a runtime helper of this patch set, not TE code. It implements DCP's public
@@ -28,11 +28,20 @@ state-dict utilities and ``DTensor.to()`` do, to wrap a CPU copy of a GPU DTenso
 
 import copy
 import threading
+import time
+import weakref
 from concurrent.futures import Future, ThreadPoolExecutor
 
-import torch
-from torch.distributed.checkpoint.staging import AsyncStager
-from torch.distributed.tensor import DTensor
+try:
+    import torch
+    from torch.distributed.checkpoint.staging import AsyncStager
+    from torch.distributed.tensor import DTensor
+except ImportError as exc:  # pragma: no cover (the message is tested in a torch-less process)
+    raise ImportError(
+        "te_fusedadam_offload.staging needs PyTorch with torch.distributed.checkpoint's "
+        f"AsyncStager and DTensor ({exc}); install torch, or pip install "
+        "'te-fusedadam-offload[staging]' where it is missing"
+    ) from exc
 
 __all__ = ["CheckpointStager"]
 
@@ -58,14 +67,25 @@ class CheckpointStager(AsyncStager):
             but nothing may change the model's tensors (``optimizer.step()``, loads, in-place
             updates) before ``response.staging_completion.result()`` returns.
 
-    One checkpoint at a time: the staged tensors are the stager's buffers until the upload is
-    done, so wait for the previous upload before the next ``async_save``; ``stage()`` raises
-    a RuntimeError if the previous staging is not complete.
+    Checkpoints that overlap: a buffer is reused only when nothing holds what the last
+    staging made of it, that is when the upload that wrote it is done (DCP drops the staged
+    state dict then). A ``dcp.async_save`` that starts before the previous upload is done gets
+    new pinned buffers for the tensors whose buffers are still being written: training is not
+    held up and no checkpoint is overwritten, at the cost of one more copy of the model's
+    tensors in pinned host memory until that upload is done (a failed upload's future holds
+    them as long as it is kept). ``overlapping_stagings`` counts such stagings. DCP itself
+    does not order overlapping uploads (each ``async_save`` starts its own upload thread on the
+    process group it is given), so waiting for the previous upload before the next checkpoint
+    remains the way to keep one upload at a time. ``stage()`` raises a RuntimeError if the
+    previous *staging* (``async_staging=True``) is not complete.
     """
 
     def __init__(self, *, async_staging=False):
         self._async = async_staging
-        self._cache = {}  # path in the state dict -> pinned CPU tensor
+        # path in the state dict -> (pinned CPU tensor, weak reference to the view of it that
+        # the last staging returned: alive while its upload holds the staged state dict)
+        self._cache = {}
+        self.overlapping_stagings = 0  # stagings that got new buffers: the old ones in use
         self._stream = None
         self._executor = ThreadPoolExecutor(max_workers=1) if async_staging else None
         # Set while no staging is under way. Not the future itself: that holds the staged
@@ -91,8 +111,11 @@ class CheckpointStager(AsyncStager):
                     "CheckpointStager.stage() called while the previous staging is not "
                     "complete; wait for its staging_completion first"
                 )
-            copies = []
-            staged = self._walk(state_dict, (), copies)
+            self._wait_briefly_for_uploads()
+            copies, busy = [], []
+            staged = self._walk(state_dict, (), (copies, busy))
+            if busy:
+                self.overlapping_stagings += 1
             # Buffers of keys that this state dict no longer has are freed.
             self._cache = {path: self._cache[path] for path, _, _ in copies}
             if not copies or not self._async:
@@ -107,6 +130,15 @@ class CheckpointStager(AsyncStager):
             self._idle.clear()
             return self._executor.submit(self._wait_for, event, staged)
 
+    def _wait_briefly_for_uploads(self):
+        """Give an upload that has just completed up to 10 ms to drop its state dict: its
+        thread sets the future first (so the caller may already be here), then lets go."""
+        deadline = time.monotonic() + 0.01
+        while any(view() is not None for _, view in self._cache.values()):
+            if time.monotonic() > deadline:
+                return
+            time.sleep(0.001)
+
     def _wait_for(self, event, staged):
         try:
             event.synchronize()
@@ -114,38 +146,55 @@ class CheckpointStager(AsyncStager):
             self._idle.set()
         return staged
 
-    def _walk(self, value, path, copies):
+    def _walk(self, value, path, work):
         if isinstance(value, DTensor):
             if value._local_tensor.device.type == "cpu":
                 return value
             # As DTensor.to("cpu") makes it, the same spec (mesh, placements, shape, stride)
             # around a CPU local tensor, here the cached one. (DTensor.from_local() would move
             # a CPU local tensor to the mesh's device.)
-            local = self._tensor(value._local_tensor, path, copies)
+            local = self._tensor(value._local_tensor, path, work)
             return DTensor(local, value._spec, requires_grad=False)
         if isinstance(value, torch.Tensor):
-            return self._tensor(value, path, copies)
+            return self._tensor(value, path, work)
         if isinstance(value, dict):
-            return {k: self._walk(v, (*path, k), copies) for k, v in value.items()}
+            return {k: self._walk(v, (*path, k), work) for k, v in value.items()}
         if isinstance(value, (list, tuple)):
-            items = [self._walk(v, (*path, i), copies) for i, v in enumerate(value)]
+            items = [self._walk(v, (*path, i), work) for i, v in enumerate(value)]
             return type(value)(items) if isinstance(value, list) else tuple(items)
         return copy.deepcopy(value)
 
-    def _tensor(self, tensor, path, copies):
-        if tensor.device.type == "cpu":
+    def _tensor(self, tensor, path, work):
+        if not self._copied(tensor, path):
             return tensor
+        copies, busy = work
+        buffer, last = self._cache.get(path, (None, None))
+        if last is not None and last() is not None:
+            busy.append(path)  # its upload is not done: this checkpoint gets a new buffer
+            buffer = None
+        if buffer is None or buffer.shape != tensor.shape or buffer.dtype != tensor.dtype:
+            buffer = self._allocate(tensor)
+        # The staged state dict gets a view of the buffer, which DCP holds until the upload
+        # is done: while it lives, the buffer is not reused.
+        view = buffer.view(buffer.shape)
+        self._cache[path] = (buffer, weakref.ref(view))
+        copies.append((path, view, tensor))
+        return view
+
+    def _copied(self, tensor, path):
+        """Whether `tensor` is copied (a CUDA tensor) or passed through (a CPU tensor)."""
+        if tensor.device.type == "cpu":
+            return False
         if tensor.device.type != "cuda":
             raise RuntimeError(
                 f"CheckpointStager stages CPU and CUDA tensors; {'/'.join(map(str, path))} "
                 f"is on {tensor.device}"
             )
-        cached = self._cache.get(path)
-        if cached is None or cached.shape != tensor.shape or cached.dtype != tensor.dtype:
-            cached = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
-            self._cache[path] = cached
-        copies.append((path, cached, tensor))
-        return cached
+        return True
+
+    def _allocate(self, tensor):
+        """A new pinned CPU buffer for `tensor`."""
+        return torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
 
     def _enqueue(self, copies):
         """Enqueue the device-to-host copies on the side stream, after the work already
@@ -170,7 +219,7 @@ class CheckpointStager(AsyncStager):
 
     def cached_bytes(self):
         """Bytes of pinned CPU memory the stager holds for the next checkpoint."""
-        return sum(t.numel() * t.element_size() for t in self._cache.values())
+        return sum(t.numel() * t.element_size() for t, _ in self._cache.values())
 
     def synchronize_staging(self):
         """Wait until the last staging is complete (as ``staging_completion`` does)."""

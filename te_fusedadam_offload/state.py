@@ -16,10 +16,9 @@ from pathlib import Path
 
 from .errors import ToolError
 from .patching import all_apply, failure, offsets
-from .saved import Backup, file_digest, patch_ids, sha256
-from .series import compat_patches, load_checksums, patch_files, patch_label
+from .saved import Backup, fault, patch_ids, sha256
+from .series import compat_patches, patch_files, patch_label
 from .target import Target, te_version
-from .upstream import load_pin
 
 APPLIED, NOT_APPLIED, DRIFTED = "applied", "not applied", "drifted"
 INTERRUPTED = "interrupted"
@@ -53,6 +52,7 @@ def simulate(target, patches, reverse=False, originals=None, contents=None):
     files = list(dict.fromkeys(rel for patch in patches for rel in target.touches(patch)))
     with tempfile.TemporaryDirectory() as tmp:
         copy = _scratch_copy(target, files, originals, Path(tmp) / "at-once")
+        fault("scratch")
         results = copy.apply_patches_at_once(patches, reverse)
         if results is None:  # the copy holds what git left of it: start again from the target
             copy = _scratch_copy(target, files, originals, Path(tmp) / "in-turn")
@@ -79,6 +79,7 @@ class State:
         recorded = self.backup.patches() if self.from_saved else None
         self.recorded = next((v for v in self.variants if patch_ids(v) == recorded), None)
         self.applied = 0  # how many of `relevant` the simulation found applied
+        self.edited = []  # files changed after apply patched them (state.json says so)
         self.before = {}  # {path: bytes}: the files before `relevant`, where it found them
         self.after = {}  # and after the whole of `relevant`
 
@@ -201,6 +202,16 @@ class State:
             for patch, result in forward:
                 rows[patch_label(patch)] = (NOT_APPLIED, "with offset" if offsets(result) else "")
             return report(NOT_APPLIED)
+        self.edited = self.changed_since_apply()
+        if self.edited:
+            for patch in relevant:
+                changed = [rel for rel in target.touches(patch) if rel in self.edited]
+                if changed:
+                    rows[patch_label(patch)] = (
+                        DRIFTED,
+                        f"{', '.join(changed)}: changed after apply",
+                    )
+            return report(DRIFTED)
         if all_apply(simulate(target, relevant[::-1], True, contents=self.before)):
             self.applied = len(relevant)
             rows.update({patch_label(p): (APPLIED, "") for p in relevant})
@@ -218,6 +229,16 @@ class State:
             )
         return report(DRIFTED)
 
+    def changed_since_apply(self):
+        """The files that apply patched (state.json, this TE release) that are now neither as
+        it wrote them nor the saved originals. Found without git; where the series does not
+        apply to the files either, they were changed after the apply (`edited`), not by a
+        reinstall of TE (which gives the originals back, or files the series applies to)."""
+        meta = self.backup.meta or {}
+        if meta.get("te_version") != te_version(self.target):
+            return []
+        return [rel for rel, what in (self.saved or {}).items() if what == "other"]
+
     def _applied_prefix(self):
         """k if exactly the first k (0 < k < all) of `relevant` are applied to the target, else
         0; with `before` and `after` the files before and after the whole of `relevant`."""
@@ -232,7 +253,8 @@ class State:
 
     def patched_files(self, overall):
         """{path: sha256 of its original} of the files that are as this series makes them."""
-        if self.this_version:
+        ours = self.edited and self.backup.patches() in [patch_ids(v) for v in self.variants]
+        if self.this_version or ours:  # (the files not edited after this series' apply)
             entries = self.backup.state
             return {
                 rel: entries[rel]["original"] for rel, s in self.saved.items() if s == "patched"
@@ -240,57 +262,3 @@ class State:
         if overall == APPLIED:
             return {rel: sha256(data) for rel, data in self.before.items()}
         return {}
-
-
-def file_report(state, overall=None):
-    """[(path, what it is)] for the upstream files the series changes: the pinned release's
-    file (by its sha256 in patches/checksums), as this series makes it (from the state), and,
-    where it is neither (as on another TE version), by what the series does to it (`overall`,
-    default: the state's)."""
-    target = state.target
-    if target.leftover:
-        return [(rel, "missing (TE was uninstalled)") for rel in sorted(load_checksums())]
-    overall = overall or state.overall
-    pinned, found = load_pin()["version"], te_version(target)
-    other = found if found and found != pinned else None
-    patched = state.patched_files(overall)
-    report = []
-    for rel, (released, _) in sorted(load_checksums().items()):
-        digest = file_digest(target.root / rel)
-        if digest is None:
-            report.append((rel, "missing"))
-        elif digest == released:
-            report.append((rel, f"as released in TE {pinned}"))
-        elif rel in patched:
-            of = pinned if patched[rel] == released else other or "of another version"
-            report.append((rel, f"TE {of}'s, patched by this series"))
-        elif (state.saved or {}).get(rel) == "patched" and state.other_version:
-            report.append((rel, "patched by another version of this series; apply replaces it"))
-        elif overall == NOT_APPLIED:
-            report.append((rel, f"as released in TE {other}" if other else "not patched"))
-        else:
-            report.append(
-                (
-                    rel,
-                    f"neither as released in TE {pinned} nor as this series patches that"
-                    + (f"; the TE here is {other}" if other else "")
-                    + ": edited, patched by something else, or of a release that the series "
-                    "does not apply to",
-                )
-            )
-    return report
-
-
-def notes(state, overall):
-    """What the user should know beyond the state: TE reinstalled or upgraded over an apply."""
-    saved = state.saved
-    if overall != NOT_APPLIED or not saved or "patched" in saved.values():
-        return []
-    then = (state.backup.meta or {}).get("te_version")
-    now = te_version(state.target)
-    change = f" (TE {then} then, TE {now} now)" if then and now and then != now else ""
-    return [
-        f"the series was applied here and is not now{change}: TE was reinstalled or upgraded "
-        "since (which undoes it), or an apply was stopped before it changed a file. Run apply "
-        "again; it is idempotent: run it after every install or upgrade of TE"
-    ]

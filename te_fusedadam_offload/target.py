@@ -3,12 +3,14 @@ holds, and the releases the series supports."""
 
 import json
 import re
+import shutil
 import subprocess
 import sys
+from functools import cached_property
 from pathlib import Path
 
-from .errors import NeedsError, NoTargetError
-from .patching import apply_all, apply_at_once, apply_in_order, touched
+from .errors import NeedsError, NoTargetError, ToolError
+from .patching import apply_all, apply_at_once, apply_in_order, git, touched
 from .upstream import load_pin
 
 BACKUP_DIR = ".te_fusedadam_offload"  # in <root>/<subtree>/: the saved originals (saved.py)
@@ -39,6 +41,45 @@ class Target:
 
     def __str__(self):
         return f"{self.kind} TE at {self.root}"
+
+    @cached_property
+    def source_checkout(self):
+        """For an installed TE: the top of the git work tree that tracks its files (a source
+        or editable install from a TE checkout: a .pth file or a finder pointing at it), or
+        None (installed from a wheel, also into a venv inside a repository; or no git here)."""
+        if self.kind != "installed" or not shutil.which("git"):
+            return None
+        args = ["ls-files", "--error-unmatch", f"{self.subtree}/__init__.py"]
+        if git(args, self.root, check=False).returncode != 0:
+            return None
+        return Path(git(["rev-parse", "--show-toplevel"], self.root).stdout.strip()).resolve()
+
+    def refuse_source_checkout(self, action):
+        """Raise ToolError if this installed TE's files are a git checkout's: `action` would
+        change that checkout's working tree. The message gives the command that does it there
+        (as commits, with git am, where the checkout is TE's own)."""
+        top = self.source_checkout
+        if top is None:
+            return
+        lead = (
+            f"the TE at {self.root} is installed from a git checkout: its {self.subtree}/ is "
+            f"tracked by the git repository {top}, and {action} {self.args} would change that "
+            "repository's working tree"
+        )
+        if top == self.root:
+            how = "as commits (git am; revert removes them)" if action == "apply" else ""
+            raise ToolError(f"{lead}; {action} it there {how}: te-fusedadam-offload {action} {top}")
+        raise ToolError(
+            f"{lead}; to change its files in place all the same, name the directory: "
+            f"te-fusedadam-offload {action} {self.root}"
+        )
+
+    @property
+    def args(self):
+        """How to name this target on the command line."""
+        if self.kind != "installed":
+            return str(self.root)
+        return "--installed" if self.python == sys.executable else f"--python {self.python}"
 
     def refuse_leftover(self):
         """Raise NoTargetError if TE was uninstalled from here and only the saved originals
@@ -110,24 +151,56 @@ def older_than_supported(version):
 
 
 # Where the TE that a Python imports lives; run from "/", so that the current directory
-# (a checkout with transformer_engine/ in it) does not decide it. Nothing is imported.
+# (a checkout with transformer_engine/ in it) does not decide it. Nothing is imported. The
+# answer is a JSON object with a key of this tool's, so that a program that is no Python
+# interpreter (/bin/true, /bin/echo) is told from one.
 _FIND_TE = (
     "import importlib.util, json; s = importlib.util.find_spec('transformer_engine'); "
-    "print(json.dumps(list(s.submodule_search_locations or []) if s else []))"
+    "print(json.dumps({'te_fusedadam_offload': list(s.submodule_search_locations or []) "
+    "if s else []}))"
 )
 
 
+def _not_python(python, why):
+    return NeedsError(f"--python {python}: not a Python interpreter that can be used: {why}")
+
+
 def _installed_location(python):
-    """The directory holding the transformer_engine/ that `python` imports, or None."""
+    """The directory holding the transformer_engine/ that `python` imports, or None. Raises
+    NeedsError, one line, if `python` cannot be run or does not answer as a Python does."""
+    if Path(python).is_dir():
+        inside = next((p for p in ("bin/python", "bin/python3") if (Path(python) / p).is_file()), 0)
+        hint = f" (the Python of this environment is {Path(python) / inside})" if inside else ""
+        raise _not_python(python, f"it is a directory{hint}")
     try:
         result = subprocess.run(
-            [python, "-c", _FIND_TE], cwd="/", capture_output=True, text=True, check=False
+            [python, "-c", _FIND_TE],
+            cwd="/",
+            capture_output=True,
+            text=True,
+            stdin=subprocess.DEVNULL,
+            timeout=120,
+            check=False,
         )
     except OSError as exc:
-        raise NeedsError(f"cannot run the Python {python}: {exc.strerror or exc}") from exc
-    if result.returncode != 0:
-        raise NeedsError(f"the Python {python} failed: {result.stderr.strip()[-500:]}")
-    locations = json.loads(result.stdout.strip().splitlines()[-1])
+        raise _not_python(python, f"cannot run it: {exc.strerror or exc}") from exc
+    except subprocess.TimeoutExpired as exc:
+        raise _not_python(python, "it did not answer within 120 s") from exc
+    lines = result.stdout.strip().splitlines()
+    try:
+        locations = json.loads(lines[-1])["te_fusedadam_offload"] if lines else None
+    except (ValueError, TypeError, KeyError):
+        locations = None
+    if result.returncode != 0 or not isinstance(locations, list):
+        said = result.stderr.strip().splitlines()[-1:]
+        if not said:
+            said = " and printed nothing on stderr"
+        elif "find_spec" in said[0]:  # it echoes the query: it takes -c CODE for something else
+            said = " (it does not take -c CODE)"
+        else:
+            said = f": {said[0][:200]}"
+        what = f"exited with status {result.returncode}" if result.returncode else "ran"
+        raise _not_python(python, f"{what} without answering as a Python does{said}")
     return Path(locations[0]).parent if locations else None
 
 

@@ -26,21 +26,36 @@ is waited for (not counted), so that each checkpoint starts alike. Variants:
   te_stager_async  the same with async_staging=True: the model copies overlap forward and
                    backward; staging_completion before optimizer.step()
 
+A slow storage and checkpoints that overlap: --write-delay-s S makes each upload wait S
+seconds before it writes (tests/staging/slow_storage.py's SlowWriter, as a busy or remote file
+system), and --overlap starts each checkpoint without waiting for the previous upload (each
+upload with a process group of its own, since DCP runs overlapping uploads at once), so that
+a checkpoint's staging finds the previous upload still writing: CheckpointStager then gives it
+new pinned buffers (overlapping_stagings counts them), whose cost this measures:
+
+  torchrun --nproc_per_node=1 benchmark_checkpoint_stall.py --modes offload \
+      --variants te_stager te_stager_async --write-delay-s 10 [--overlap] --out stall.jsonl
+
 One JSON line per checkpoint (rank 0): variant, offload, iteration ("short"/"long"), n (the
-checkpoint's index), iteration_s, returned_s (until async_save returned), stall_s, and where
-the time went: export_optim_s, export_model_s, async_save_s, wait_staging_s (in the next
-iteration, before step()), uploaded_s (from the start until the upload is done); host memory
-of the rank (rss_gib: after the upload, with the state dict dropped; rss_peak_gib: the
-process's peak so far) and the stager's pinned buffers (pinned_gib).
+checkpoint's index), overlap, write_delay_s, iteration_s, returned_s (until async_save
+returned), stall_s, and where the time went: export_optim_s, export_model_s, async_save_s,
+wait_staging_s (in the next iteration, before step()), uploaded_s (from the start until the
+upload is done); host memory of the rank (rss_gib: after the upload, with the state dict
+dropped, or with --overlap after the iteration; rss_peak_gib: the process's peak so far), the
+stager's pinned buffers (pinned_gib: those it keeps for the next checkpoint) and, for the
+te_stager variants, overlapping_stagings (so far) and uploads_pending (uploads not done when
+this checkpoint started). With --overlap the rows are written once every upload is done.
 """
 
 import argparse
 import gc
-import json
 import os
 import shutil
 import statistics
+import sys
+import threading
 import time
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -57,7 +72,10 @@ from te_fusedadam_offload.staging import CheckpointStager
 
 # The model, the optimizer and the helpers of the DCP benchmark beside this one (run as a
 # script, this folder is on sys.path).
-from benchmark_dcp_checkpoint import GiB, _build, _checkpoint_dir, _max_over_ranks
+from benchmark_dcp_checkpoint import GiB, _build, _checkpoint_dir, _emit, _max_over_ranks
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tests" / "staging"))
+from slow_storage import SlowWriter  # pylint: disable=wrong-import-position
 
 OFFLOAD = StateDictOptions(cpu_offload=True)
 VARIANTS = ("async_save", "default_stager", "te_stager", "te_stager_async")
@@ -107,8 +125,9 @@ class Trainer:
         return statistics.median(times)
 
 
-def checkpoint(variant, trainer, state_stager, group, path):
-    """One checkpoint and the iteration after it; the row's times (this rank's)."""
+def checkpoint(variant, trainer, state_stager, group, path, args):
+    """One checkpoint and the iteration after it: the row's times (this rank's), the upload
+    (done unless --overlap) and an event set once the times have its uploaded_s."""
     model, optimizer = trainer.model, trainer.optimizer
     row = {}
     torch.cuda.synchronize()
@@ -139,7 +158,10 @@ def checkpoint(variant, trainer, state_stager, group, path):
                 use_non_blocking_copy=True,
             )
         )
-    result = dcp.async_save(state, checkpoint_id=path, process_group=group, async_stager=stager)
+    where = {"checkpoint_id": path}
+    if args.write_delay_s:
+        where = {"storage_writer": SlowWriter(path, args.write_delay_s)}
+    result = dcp.async_save(state, process_group=group, async_stager=stager, **where)
     row["async_save_s"] = time.perf_counter() - mark
     row["returned_s"] = time.perf_counter() - start
     del state, optim
@@ -147,14 +169,24 @@ def checkpoint(variant, trainer, state_stager, group, path):
     upload = getattr(result, "upload_completion", result)
     row["wait_staging_s"] = trainer.iteration(staging.result if staging is not None else None)
     row["total_s"] = time.perf_counter() - start
-    upload.result()
-    row["uploaded_s"] = time.perf_counter() - start
+    uploaded = threading.Event()  # set once row["uploaded_s"] is
+
+    def _uploaded(_):
+        row["uploaded_s"] = time.perf_counter() - start
+        uploaded.set()
+
+    upload.add_done_callback(_uploaded)
+    if not args.overlap:
+        uploaded.wait()
     if variant == "default_stager":
-        stager.close()
-    del result, upload, staging
+        if args.overlap:  # closed once its upload is done
+            upload.add_done_callback(lambda _: stager.close())
+        else:
+            stager.close()
+    del result, staging
     gc.collect()
     row["rss_gib"], row["rss_peak_gib"] = _rss_gib()
-    return row
+    return row, upload, uploaded
 
 
 def run(args, base, offload):
@@ -170,32 +202,52 @@ def run(args, base, offload):
             if variant.startswith("te_stager"):
                 stager = CheckpointStager(async_staging=variant == "te_stager_async")
             path = _checkpoint_dir(args, f"stall-{variant}")
+            pending = []  # (row, this rank's times, (upload, event)) not yet written
             for n in range(args.checkpoints):
                 iteration_s = trainer.baseline(args.baseline)
-                times = checkpoint(variant, trainer, stager, group, path)
                 row = dict(
                     base,
                     variant=variant,
                     offload=offload,
                     iteration=length,
                     n=n,
+                    overlap=args.overlap,
+                    write_delay_s=args.write_delay_s,
                     iteration_s=round(iteration_s, 4),
                 )
-                for key, value in times.items():
-                    row[key] = round(_max_over_ranks(value), 4)
-                row["stall_s"] = round(row["total_s"] - iteration_s, 4)
+                if stager is not None:
+                    row["uploads_pending"] = sum(not u.done() for _, _, (u, _) in pending)
+                if args.overlap:  # a group per upload: overlapping uploads run at once
+                    group = dist.new_group(backend="gloo")
+                checkpoint_path = f"{path}-{n}" if args.overlap else path
+                times, *upload = checkpoint(variant, trainer, stager, group, checkpoint_path, args)
                 row["pinned_gib"] = round(stager.cached_bytes() / GiB, 3) if stager else 0.0
-                if dist.get_rank() == 0:
-                    line = json.dumps(row)
-                    print(line, flush=True)
-                    if args.out:
-                        with open(args.out, "a", encoding="utf-8") as f:
-                            f.write(line + "\n")
+                if stager is not None:
+                    row["overlapping_stagings"] = stager.overlapping_stagings
+                pending.append((row, times, upload))
+                if not args.overlap:
+                    _write_rows(args, pending)
+            _write_rows(args, pending)
             if stager is not None:
                 stager.close()
             if dist.get_rank() == 0:
                 shutil.rmtree(path, ignore_errors=True)
+                for n in range(args.checkpoints):
+                    shutil.rmtree(f"{path}-{n}", ignore_errors=True)
             dist.barrier()
+
+
+def _write_rows(args, pending):
+    """Wait for the uploads of `pending` ([(row, this rank's times, (upload, its event))]),
+    then write their rows (times: the slowest rank's) and empty it."""
+    for row, times, (upload, uploaded) in pending:
+        upload.result()
+        uploaded.wait()
+        for key, value in times.items():
+            row[key] = round(_max_over_ranks(value), 4)
+        row["stall_s"] = round(row["total_s"] - row["iteration_s"], 4)
+        _emit(args, row)
+    pending.clear()
 
 
 def main():
@@ -213,6 +265,17 @@ def main():
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--baseline", type=int, default=3)
     parser.add_argument("--ckpt-dir", default="/tmp/te_checkpoint_stall")
+    parser.add_argument(
+        "--write-delay-s",
+        type=float,
+        default=0.0,
+        help="each upload waits this long before it writes (a slow storage)",
+    )
+    parser.add_argument(
+        "--overlap",
+        action="store_true",
+        help="start each checkpoint without waiting for the previous upload",
+    )
     parser.add_argument("--out", help="append the JSON lines to this file")
     args = parser.parse_args()
     torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))

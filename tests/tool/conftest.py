@@ -3,6 +3,9 @@ TE_FUSEDADAM_OFFLOAD_CACHE), copies of it to patch, the tool without the reposit
 materialized trees, and synthetic series that change two files of the release."""
 
 import shutil
+import subprocess
+import sys
+import zipfile
 
 import pytest
 from support import FUSED_ADAM, FUSED_SGD, REPO, git
@@ -17,6 +20,31 @@ def pytest_configure(config):
         "network: downloads from the package index beyond the pinned release (which the "
         "cache keeps after the first run); -m 'not network' runs without it",
     )
+
+
+@pytest.fixture(scope="session")
+def wheel(tmp_path_factory):
+    """The wheel of this package, as pip install . builds it (pip's stderr if it fails)."""
+    out = tmp_path_factory.mktemp("wheel")
+    result = subprocess.run(
+        [sys.executable, "-m", "pip", "wheel", "--quiet", "--no-deps", "--no-build-isolation"]
+        + ["-w", str(out), str(REPO)],
+        check=False,
+        capture_output=True,
+        text=True,
+    )
+    assert result.returncode == 0, f"pip wheel failed:\n{result.stderr}"
+    return next(out.glob("te_fusedadam_offload-*.whl"))
+
+
+@pytest.fixture(scope="session")
+def installed_tool(wheel, tmp_path_factory):
+    """A directory (for PYTHONPATH) holding the package as installed from its wheel: the
+    series as package data, no checkout around it."""
+    site = tmp_path_factory.mktemp("installed-tool")
+    with zipfile.ZipFile(wheel) as zf:
+        zf.extractall(site)
+    return site
 
 
 @pytest.fixture(scope="session")

@@ -113,6 +113,18 @@ def run_tool(args, cwd=None, **env):
     )
 
 
+def purelib(python):
+    """The site-packages directory of the environment of `python`."""
+    return Path(
+        subprocess.run(
+            [str(python), "-c", "import sysconfig; print(sysconfig.get_path('purelib'))"],
+            capture_output=True,
+            text=True,
+            check=True,
+        ).stdout.strip()
+    )
+
+
 def release_wheel(version):
     """The release wheel of TE `version` (downloaded once into the cache)."""
     return upstream.download_wheel("transformer_engine", version, upstream.cache_dir() / "wheels")

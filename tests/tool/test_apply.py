@@ -2,12 +2,14 @@
 commands): the state, the files, other versions and releases."""
 
 import json
+import os
 import shutil
 
 import pytest
 from support import (
     FUSED_ADAM,
     FUSED_SGD,
+    REPO,
     added_constant,
     drift_context,
     file_state,
@@ -20,7 +22,17 @@ from support import (
     site_of_release,
 )
 
-from te_fusedadam_offload import actions, cli, drift, saved, series, state, target, upstream
+from te_fusedadam_offload import (
+    actions,
+    cli,
+    drift,
+    report,
+    saved,
+    series,
+    state,
+    target,
+    upstream,
+)
 from te_fusedadam_offload.errors import ToolError
 
 
@@ -33,7 +45,7 @@ def test_apply_is_idempotent_and_revert_restores_pristine_bytes(tree, pristine):
     t = target.find_target(tree)
     assert t.kind == "tree"
     assert state.State(t).overall == state.NOT_APPLIED
-    assert state.file_report(state.State(t)) == [(FUSED_ADAM, "as released in TE 2.20.2")]
+    assert report.file_report(state.State(t)) == [(FUSED_ADAM, "as released in TE 2.20.2")]
     # The tool's choice is what the patch files say, and what series.toml says of them.
     assert _release_patches(t) == release_patches()
     paths = [series.entry_paths(entry) for entry in series.load_series()["patch"]]
@@ -43,7 +55,7 @@ def test_apply_is_idempotent_and_revert_restores_pristine_bytes(tree, pristine):
 
     assert f"applied {count} patch" in actions.apply(t)
     assert state.State(t).overall == state.APPLIED
-    assert state.file_report(state.State(t)) == [
+    assert report.file_report(state.State(t)) == [
         (FUSED_ADAM, "TE 2.20.2's, patched by this series")
     ]
     assert "state_dict_cpu_offload" in (tree / FUSED_ADAM).read_text(encoding="utf-8")
@@ -87,8 +99,8 @@ def test_apply_replaces_another_version_of_the_series(tree, pristine, version):
     t = target.find_target(tree)
     actions.apply(t)
     _as_other_version(tree, pristine, version)
-    report = dict(state.file_report(state.State(t)))
-    assert report[FUSED_ADAM] == "patched by another version of this series; apply replaces it"
+    files = dict(report.file_report(state.State(t)))
+    assert files[FUSED_ADAM] == "patched by another version of this series; apply replaces it"
     assert state.State(t).other_version
     assert cli.main(["check", str(tree)]) == 0
 
@@ -96,7 +108,7 @@ def test_apply_replaces_another_version_of_the_series(tree, pristine, version):
     assert message.startswith("replaced another version of the series (reverted")
     assert f"applied {len(release_patches())} patch(es)" in message
     assert state.State(t).overall == state.APPLIED
-    assert state.file_report(state.State(t)) == [
+    assert report.file_report(state.State(t)) == [
         (FUSED_ADAM, "TE 2.20.2's, patched by this series")
     ]
     assert actions.apply(t) == "already applied; nothing to do"
@@ -138,7 +150,7 @@ def test_drifted_target_is_reported_and_left_unchanged(tree):
     detail = [d for _, s, d in rows if s == state.DRIFTED][0]
     first_hunk = next(iter(series.hunk_headers(series.patch_files()[0]).values()))
     assert FUSED_ADAM in detail and first_hunk in detail
-    assert state.file_report(state.State(t)) == [
+    assert report.file_report(state.State(t)) == [
         (
             FUSED_ADAM,
             (
@@ -153,6 +165,94 @@ def test_drifted_target_is_reported_and_left_unchanged(tree):
         actions.revert(t)
     assert (tree / FUSED_ADAM).read_bytes() == before
     assert cli.main(["check", str(tree)]) == 1
+
+
+def test_a_file_edited_after_apply_is_drifted_and_revert_keeps_it_unless_told(tree, pristine):
+    """A line appended to the patched fused_adam.py: status said "applied" (exit 0), check
+    exit 0, and revert said "reverted" but kept the edit and deleted the saved originals. Now
+    status and check say drifted (exit 1), apply and revert refuse and change nothing, and
+    revert --discard-edits writes the saved original back and names the file."""
+    assert run_tool(["apply", str(tree)]).returncode == 0
+    with open(tree / FUSED_ADAM, "a", encoding="utf-8") as f:
+        f.write("# a local edit\n")
+    edited = (tree / FUSED_ADAM).read_bytes()
+    saved_dir = tree / "transformer_engine" / target.BACKUP_DIR
+    result = run_tool(["status", str(tree)])
+    assert result.returncode == 1 and ": drifted\n" in result.stdout
+    assert f"drifted ({FUSED_ADAM}: changed after apply)" in result.stdout
+    assert f"  {FUSED_ADAM}: {report.EDITED} (the saved originals are kept)\n" in result.stdout
+    found = json.loads(run_tool(["status", "--json", str(tree)]).stdout)
+    assert found["status"] == "drifted" and found["files"][0]["state"].startswith(report.EDITED)
+    assert run_tool(["check", str(tree)]).returncode == 1
+    advice = f"What to do: 'te-fusedadam-offload revert --discard-edits {tree.resolve()}' writes"
+    for command in ("apply", "revert"):
+        result = run_tool([command, str(tree)])
+        assert result.returncode == 1
+        assert f"cannot {command}: {FUSED_ADAM} {report.EDITED}\n" in result.stderr
+        assert advice in result.stderr
+        assert (tree / FUSED_ADAM).read_bytes() == edited and saved_dir.is_dir()
+    result = run_tool(["revert", "--discard-edits", str(tree)])
+    assert result.returncode == 0, result.stderr
+    assert (
+        "restored the saved original bytes and modes of 1 file(s); discarded what was changed "
+        f"after apply in {FUSED_ADAM}\n"
+        in result.stdout
+    )
+    assert same_tree(tree / "transformer_engine", pristine / "transformer_engine")
+
+
+def _without_git(args, tree):
+    """The command line with no git on PATH (the TE named by its path, or installed: the
+    release copy first on this Python's path)."""
+    pythonpath = os.pathsep.join([str(tree), str(REPO)])
+    return run_tool(args, pythonpath=pythonpath, PATH=str(tree / "no-bin-here"))
+
+
+@pytest.mark.parametrize("case", ["this version", "an earlier version", "edited", "installed"])
+def test_revert_works_without_git(tree, pristine, case):
+    """revert writes the saved originals back, which needs no git: as this version saved
+    them, as an earlier version did (no patches recorded), and with --discard-edits; for an
+    edited file without it, exit 4 says why git is needed and what else to do."""
+    assert run_tool(["apply", str(tree)]).returncode == 0
+    args = ["revert", "--installed" if case == "installed" else str(tree)]
+    if case == "an earlier version":
+        _record_saved(tree, "patched", tree / FUSED_ADAM)  # the same digests, no patches
+    if case == "edited":
+        with open(tree / FUSED_ADAM, "a", encoding="utf-8") as f:
+            f.write("# a local edit\n")
+        result = _without_git(args, tree)
+        assert result.returncode == 4 and result.stderr.count("\n") == 1, result.stderr
+        assert (
+            "telling an edit from a reinstall of TE needs git (git is needed but" in result.stderr
+        )
+        assert "or 'te-fusedadam-offload revert --discard-edits " in result.stderr
+        args.append("--discard-edits")
+    result = _without_git(args, tree)
+    assert result.returncode == 0, result.stderr
+    count = "the series" if case == "an earlier version" else f"{len(release_patches())} patch(es)"
+    assert f"reverted {count}: restored the saved original bytes and modes of 1 file(s)" in (
+        result.stdout
+    )
+    assert same_tree(tree / "transformer_engine", pristine / "transformer_engine")
+    result = _without_git(["status", str(tree)], tree)
+    assert result.returncode == 4 and "git is needed but was not found" in result.stderr
+
+
+def test_one_of_two_files_edited_after_apply(tree, pristine, series_home, two_file_patches):
+    """A series that changes two files, one edited after apply: drifted; --discard-edits
+    restores both (the other as any revert does)."""
+    home = series_home(*two_file_patches)
+    tool = lambda *args: run_tool([*args, str(tree)], cwd=home, pythonpath=home)
+    assert tool("apply").returncode == 0
+    with open(tree / FUSED_SGD, "a", encoding="utf-8") as f:
+        f.write("# a local edit\n")
+    result = tool("status")
+    assert result.returncode == 1 and f"  {FUSED_SGD}: {report.EDITED}" in result.stdout
+    assert f"  {FUSED_ADAM}: TE 2.20.2's, patched by this series\n" in result.stdout, result.stdout
+    assert tool("revert").returncode == 1
+    result = tool("revert", "--discard-edits")
+    assert "of 2 file(s); discarded what was changed after apply in " + FUSED_SGD in result.stdout
+    assert same_tree(tree / "transformer_engine", pristine / "transformer_engine")
 
 
 def test_failed_apply_changes_nothing(tree, series_home, two_file_patches):
@@ -201,7 +301,7 @@ def test_partly_applied_target_is_completed_or_reverted(tree, pristine, way_out)
     assert cli.main(["check", str(tree)]) == 0
     if way_out == "apply":
         assert "the first 1 were applied already" in actions.apply(t)
-        assert state.file_report(state.State(t)) == [
+        assert report.file_report(state.State(t)) == [
             (FUSED_ADAM, "TE 2.20.2's, patched by this series")
         ]
     actions.revert(t)
@@ -325,7 +425,7 @@ def test_releases_before_2_17_get_the_compat_patch_first(tmp_path, version):
     patched = (site / FUSED_ADAM).read_text(encoding="utf-8")
     compile(patched, FUSED_ADAM, "exec")
     assert "from ..constants import DType, TE_DType_To_Torch\n" in patched
-    assert state.file_report(state.State(t), overall) == [
+    assert report.file_report(state.State(t), overall) == [
         (FUSED_ADAM, f"TE {version}'s, patched by this series")
     ]
     actions.revert(t)

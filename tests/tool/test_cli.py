@@ -8,7 +8,6 @@ import signal
 import subprocess
 import sys
 import zipfile
-from pathlib import Path
 
 import pytest
 from support import (
@@ -17,6 +16,7 @@ from support import (
     drift_context,
     git,
     listing,
+    purelib,
     release_patches,
     release_wheel,
     run_tool,
@@ -24,7 +24,7 @@ from support import (
 )
 
 import te_fusedadam_offload
-from te_fusedadam_offload import series, target, upstream
+from te_fusedadam_offload import mainline, maintainers, series, target, upstream
 
 
 def _run_cli(args, pythonpath, cwd, tool_home):
@@ -44,6 +44,74 @@ def test_installed_target_inside_an_unrelated_git_repo(tree, tmp_path, tool_home
     assert "installed TE at" in result.stdout and ": applied" in result.stdout
     assert _run_cli(["revert"], site, outer, tool_home).returncode == 0
     assert upstream.sha256_of(site / FUSED_ADAM) == series.load_checksums()[FUSED_ADAM][0]
+
+
+def _source_install(tree, tmp_path):
+    """A TE git checkout (the release's files, and the main files of the series' tests and
+    docs where the pinned main tree is at hand) and a venv whose .pth file puts it on sys.path,
+    as a source or editable install does; the venv's Python."""
+    if mainline.main_tree() is not None:
+        for rel in series.main_paths():
+            (tree / rel).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copyfile(mainline.main_tree() / rel, tree / rel)
+    git(["init", "-q", "-b", "main"], tree)
+    git(["add", "-A"], tree)
+    git(["commit", "-qm", "TE"], tree)
+    venv = tmp_path / "venv"
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True)
+    (purelib(venv / "bin" / "python") / "te-source.pth").write_text(f"{tree}\n")
+    return venv / "bin" / "python"
+
+
+def test_te_installed_from_a_git_checkout_is_refused_with_the_command_for_the_checkout(
+    tree, tmp_path, tool_home
+):
+    """apply --installed silently edited the working tree of the TE checkout that a .pth file
+    pointed at. Now it (and --dry-run, and revert of commits) refuses and gives the command
+    that works on the checkout; status and check say so; the checkout is left as it was. An
+    in-place apply that an earlier version made there is reverted from its saved originals."""
+    python = _source_install(tree, tmp_path)
+    root = tree.resolve()
+
+    def tool(*args):
+        return run_tool([*args, "--python", str(python)], cwd=tmp_path, pythonpath=tool_home)
+
+    command = f"te-fusedadam-offload apply {root}"
+    for args in (["apply"], ["apply", "--dry-run"]):
+        result = tool(*args)
+        assert result.returncode == 1 and result.stdout == "", result.stdout
+        assert result.stderr.count("\n") == 1, result.stderr
+        assert f"its transformer_engine/ is tracked by the git repository {root}" in result.stderr
+        assert result.stderr.rstrip().endswith(
+            f"as commits (git am; revert removes them): {command}"
+        )
+    assert git(["status", "--porcelain", "--ignored"], tree) == ""
+    result = tool("status")
+    assert (
+        result.returncode == 1
+        and f"note: the TE at {root} is installed from a git" in result.stdout
+    )
+    result = tool("check")
+    assert result.returncode == 1 and result.stdout.rstrip().endswith(command)
+    if mainline.main_tree() is not None:  # the command it gives works
+        assert run_tool(["apply", str(root)], pythonpath=tool_home).returncode == 0
+        assert git(["status", "--porcelain"], tree) == ""
+        assert tool("status").returncode == 0 and tool("check").returncode == 0
+        result = tool("revert")
+        assert result.returncode == 1
+        assert result.stderr.rstrip().endswith(f"te-fusedadam-offload revert {root}")
+        assert run_tool(["revert", str(root)], pythonpath=tool_home).returncode == 0
+        assert git(["log", "--format=%s"], tree) == "TE\n"
+    # As an earlier version of the tool left it: applied in place, with the saved originals.
+    in_place = tmp_path / "in-place"
+    shutil.copytree(tree / "transformer_engine", in_place / "transformer_engine")
+    assert run_tool(["apply", str(in_place)], pythonpath=tool_home).returncode == 0
+    shutil.rmtree(tree / "transformer_engine")
+    shutil.copytree(in_place / "transformer_engine", tree / "transformer_engine")
+    assert git(["status", "--porcelain"], tree) != ""
+    result = tool("revert")
+    assert result.returncode == 0 and "restored the saved original bytes" in result.stdout
+    assert git(["status", "--porcelain", "--ignored"], tree) == ""
 
 
 def test_state_is_found_once(tree, tmp_path):
@@ -141,19 +209,108 @@ def test_exit_status_tells_no_target_from_no(tree, tmp_path):
         assert result.returncode == 3, (args, result.stderr)
         assert len(result.stderr.strip().splitlines()) == 1
     result = run_tool(["status", "--python", str(tmp_path / "no-python")])
-    assert result.returncode == 4 and "cannot run the Python" in result.stderr
+    assert result.returncode == 4 and "cannot run it: No such file or directory" in result.stderr
     assert run_tool(["status", str(tree)]).returncode == 1
     drift_context(tree)
     assert run_tool(["apply", str(tree)]).returncode == 1
 
 
-def test_help_lists_the_user_commands_first():
+def _fake_pythons(tmp_path):
+    """Programs given as --python that are no Python interpreter, with what the reason says."""
+    venv = tmp_path / "venv"
+    (venv / "bin").mkdir(parents=True)
+    (venv / "bin" / "python").write_text("#!/bin/sh\n")
+    not_executable = tmp_path / "python-text"
+    not_executable.write_text("print(1)\n")
+    broken = tmp_path / "broken-python"
+    broken.write_text(
+        "#!/bin/sh\necho 'Traceback (most recent call last):' >&2\n"
+        "echo 'ModuleNotFoundError: No module named encodings' >&2\nexit 1\n"
+    )
+    broken.chmod(0o755)
+    return {
+        "/bin/true": "ran without answering as a Python does and printed nothing on stderr",
+        "/bin/echo": "ran without answering as a Python does",
+        "/bin/false": "exited with status 1 without answering as a Python does",
+        shutil.which("ls"): "without answering as a Python does (it does not take -c CODE)",
+        str(tmp_path / "missing"): "cannot run it: No such file or directory",
+        str(not_executable): "cannot run it: Permission denied",
+        str(venv): f"it is a directory (the Python of this environment is {venv}/bin/python)",
+        str(broken): (
+            "exited with status 1 without answering as a Python does: "
+            "ModuleNotFoundError: No module named encodings"
+        ),
+    }
+
+
+def test_python_that_is_not_one_exits_4_with_a_one_line_reason(tmp_path):
+    """--python /bin/true crashed with IndexError, /bin/echo with JSONDecodeError, /bin/false
+    said 'failed: ' with no reason and ls echoed the tool's query: each is exit 4 and one line
+    that says why."""
+    for python, reason in _fake_pythons(tmp_path).items():
+        result = run_tool(["status", "--python", python])
+        assert result.returncode == 4, (python, result.stderr)
+        lines = result.stderr.splitlines()
+        lead = f"te-fusedadam-offload status: error: --python {python}: not a Python interpreter"
+        assert len(lines) == 1 and lines[0].startswith(lead), (python, lines)
+        assert reason in lines[0], (python, lines[0])
+        assert "find_spec" not in lines[0] and result.stdout == ""
+
+
+USER_COMMANDS = ["apply", "status", "check", "revert"]
+
+
+def test_help_lists_the_user_commands_first_and_the_exit_statuses_once():
+    """In a checkout: the users' commands, then the maintainers'; the exit-status table is in
+    --help, and each command's help points at it in one line (it was repeated in each)."""
     out = run_tool(["--help"]).stdout
     listed = re.findall(r"^    (\S+)", out, re.MULTILINE)
-    assert listed[:4] == ["apply", "status", "check", "revert"]
-    for name in ("fetch", "materialize", "refresh", "drift", "check-main", "lint", "pr"):
+    assert listed[:4] == USER_COMMANDS
+    for name in maintainers.MAINTAINERS_COMMANDS:
         assert re.search(rf"^    {name}\s+\[maintainers\]", out, re.MULTILINE), name
-    assert "exit status:" in out and "  3  no TE where named" in out
+    assert out.count("exit status:") == 1 and "  3  no TE where named" in out
+    for name in USER_COMMANDS + list(maintainers.MAINTAINERS_COMMANDS):
+        out = run_tool([name, "--help"]).stdout
+        assert out.rstrip().endswith(
+            "exit status: 0 success; the others are listed by te-fusedadam-offload --help"
+        ), name
+        assert "no TE where named" not in out, name
+
+
+def test_installed_tool_has_only_the_users_commands(installed_tool, tmp_path):
+    """Installed (no checkout around it), --help lists the users' commands only, and a
+    maintainers' command is a usage error (2, one line) instead of exit 1."""
+    out = run_tool(["--help"], cwd=tmp_path, pythonpath=installed_tool).stdout
+    assert re.findall(r"^    (\S+)", out, re.MULTILINE) == USER_COMMANDS
+    assert "[maintainers]" not in out and out.count("exit status:") == 1
+    for name in maintainers.MAINTAINERS_COMMANDS:
+        result = run_tool([name], cwd=tmp_path, pythonpath=installed_tool)
+        assert result.returncode == 2 and result.stdout == "", name
+        assert result.stderr.splitlines() == [
+            f"te-fusedadam-offload: error: {name} is a command for the maintainers of the "
+            "series; it works in a checkout of the patch set's repository (python -m "
+            f"te_fusedadam_offload {name} there)"
+        ]
+
+
+def test_quiet_prints_nothing_and_keeps_the_exit_status(tree):
+    """-q: nothing on stdout (check is used for its exit status); errors still on stderr."""
+    for args, code in (
+        (["check"], 0),
+        (["status"], 1),
+        (["apply"], 0),
+        (["status"], 0),
+        (["status", "--json"], 0),
+        (["revert"], 0),
+    ):
+        result = run_tool([*args, "-q", str(tree)])
+        assert (result.returncode, result.stdout, result.stderr) == (code, "", ""), args
+    drift_context(tree)
+    result = run_tool(["check", "-q", str(tree)])
+    assert (result.returncode, result.stdout, result.stderr) == (1, "", "")
+    result = run_tool(["apply", "-q", str(tree)])
+    assert result.returncode == 1 and result.stdout == ""
+    assert result.stderr.startswith("te-fusedadam-offload apply: error: cannot apply:")
 
 
 def test_drift_message_keeps_its_parentheses_and_fits_a_directory(tree):
@@ -187,14 +344,7 @@ def test_pip_uninstall_reinstall_and_upgrade_of_a_patched_te(tmp_path, tool_home
     interrupted); upgraded over an apply, status says so and apply applies again."""
     venv = tmp_path / "venv"
     python = _venv_with_te(venv, "2.20.2")
-    site = Path(
-        subprocess.run(
-            [str(python), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
-            capture_output=True,
-            text=True,
-            check=True,
-        ).stdout.strip()
-    )
+    site = purelib(python)
 
     def tool(*args):
         return run_tool([*args, "--python", str(python)], cwd=tmp_path, pythonpath=tool_home)

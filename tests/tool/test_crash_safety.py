@@ -5,9 +5,23 @@ a way out."""
 import errno
 import os
 import signal
+import subprocess
+import sys
+import time
 
 import pytest
-from support import FUSED_ADAM, FUSED_SGD, file_state, run_tool, same_tree
+from support import (
+    FUSED_ADAM,
+    FUSED_SGD,
+    as_main,
+    file_state,
+    git,
+    run_tool,
+    same_tree,
+    tool_env,
+)
+
+from te_fusedadam_offload import mainline
 
 
 # The files apply writes: the saved original, the state file, then fused_adam.py; each is
@@ -171,3 +185,131 @@ def test_a_failure_before_any_file_was_written_says_nothing_was_changed(tree, tw
         f"while writing {tree.resolve() / FUSED_ADAM}; nothing was changed (checked)"
     )
     assert _two_states(tree, two_files) == ["pristine", "pristine"]
+
+
+# Ctrl-C: SIGINT at the same points (the tool's fault hook sends it to itself), and at instants
+# of a real run, sent to its process group as a terminal does (git included).
+SCRATCH_POINTS = ["scratch#1"]  # the scratch copy that apply tries the patches on, in $TMPDIR
+
+
+def _one_interrupted_line(result, command, tree):
+    """The command's output after Ctrl-C: nothing on stdout, one line on stderr that says what
+    fused_adam.py is, as read back; returns the file's state."""
+    assert result.returncode == 130, result.stderr
+    assert result.stdout == ""
+    lines = result.stderr.splitlines()
+    assert len(lines) == 1 and lines[0].startswith(f"te-fusedadam-offload {command}: "), lines
+    found = file_state(tree)
+    if "interrupted before it read the TE; nothing was changed" not in lines[0]:
+        said = {"pristine": "as released in TE 2.20.2", "patched": "patched by this series"}
+        assert f"interrupted; {FUSED_ADAM}: " in lines[0]
+        assert said[found] in lines[0], (found, lines[0])
+    return found
+
+
+@pytest.mark.parametrize(
+    "command,point",
+    [("apply", p) for p in SCRATCH_POINTS + APPLY_POINTS] + [("revert", p) for p in REVERT_POINTS],
+)
+def test_ctrl_c_at_any_point_says_what_the_files_are_and_leaves_no_scratch(
+    tree, pristine, tmp_path, command, point
+):
+    if command == "revert":
+        assert run_tool(["apply", str(tree)]).returncode == 0
+    scratch = tmp_path / "tmpdir"
+    scratch.mkdir()
+    result = run_tool([command, str(tree)], fault=f"{point}:int", TMPDIR=str(scratch))
+    assert "Traceback" not in result.stderr
+    assert _one_interrupted_line(result, command, tree) in ("pristine", "patched")
+    assert not list(scratch.iterdir())
+    _assert_way_out(tree, pristine, 0o644)
+
+
+# The command as pip's console script starts it, saying on stderr when its module is imported
+# (the interpreter's own start, before any code of the tool, is not the tool's to handle).
+_CONSOLE_SCRIPT = (
+    "import sys; from te_fusedadam_offload.__main__ import main; "
+    "print('ready', file=sys.stderr, flush=True); sys.exit(main())"
+)
+
+
+def _ctrl_c_after(args, delay, scratch):
+    with subprocess.Popen(
+        [sys.executable, "-c", _CONSOLE_SCRIPT, *args],
+        env=tool_env(TMPDIR=str(scratch)),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,  # its own process group, as a terminal's foreground job
+    ) as proc:
+        assert proc.stderr.readline() == "ready\n"
+        time.sleep(delay)
+        try:
+            os.killpg(proc.pid, signal.SIGINT)
+        except ProcessLookupError:
+            pass  # done already
+        stdout, stderr = proc.communicate()
+    return subprocess.CompletedProcess(proc.args, proc.returncode, stdout, stderr)
+
+
+@pytest.mark.parametrize("command", ["apply", "revert"])
+def test_ctrl_c_at_several_instants_of_a_run(tree, pristine, tmp_path, command):
+    """Ctrl-C from 0 to 0.4 s into a run: it either completes (exit 0, its line) or stops
+    with exit 130 and one line saying what the files are; never a traceback, never a
+    success line before an interrupt, nothing left in $TMPDIR or beside the files."""
+    scratch = tmp_path / "tmpdir"
+    scratch.mkdir()
+    codes = []
+    for delay in (0, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.12, 0.15, 0.2, 0.3, 0.4):
+        other = "revert" if command == "apply" else "apply"
+        assert run_tool([other, str(tree)]).returncode == 0
+        result = _ctrl_c_after([command, str(tree)], delay, scratch)
+        assert "Traceback" not in result.stderr, (delay, result.stderr)
+        if result.returncode == 0:
+            assert result.stderr == "" and result.stdout.count("\n") >= 1
+            assert file_state(tree) == ("patched" if command == "apply" else "pristine")
+        else:
+            assert _one_interrupted_line(result, command, tree) in ("pristine", "patched")
+        assert not list(scratch.iterdir()), delay
+        assert not list((tree / FUSED_ADAM).parent.glob(".*.tmp")), delay
+        codes.append(result.returncode)
+    assert 130 in codes, codes
+    _assert_way_out(tree, pristine, 0o644)
+
+
+def test_ctrl_c_during_git_am_of_a_checkout_aborts_it(tree, tmp_path, monkeypatch):
+    """A TE checkout gets the series with git am; Ctrl-C after its first commit (a hook of git
+    am waits there) stops git am, and the tool aborts it: the checkout is as before."""
+    if mainline.main_tree() is None:
+        pytest.skip("the pinned main tree is not at hand (the series' test files need it)")
+    as_main(tree, monkeypatch)
+    git(["init", "-q", "-b", "main"], tree)
+    git(["add", "-A"], tree)
+    git(["commit", "-qm", "TE"], tree)
+    base = git(["rev-parse", "HEAD"], tree)
+    marker = tmp_path / "first-patch-applied"
+    hook = tree / ".git" / "hooks" / "post-applypatch"
+    hook.write_text(f'#!/bin/sh\ntouch "{marker}"\nsleep 60\n')
+    hook.chmod(0o755)
+    scratch = tmp_path / "tmpdir"
+    scratch.mkdir()
+    with subprocess.Popen(
+        [sys.executable, "-m", "te_fusedadam_offload", "apply", str(tree)],
+        env=tool_env(TMPDIR=str(scratch)),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    ) as proc:
+        deadline = time.monotonic() + 120
+        while not marker.exists() and proc.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert marker.exists(), proc.communicate()
+        os.killpg(proc.pid, signal.SIGINT)
+        stdout, stderr = proc.communicate()
+    assert proc.returncode == 130 and stdout == "", stderr
+    assert stderr.count("\n") == 1 and "(status: not applied)" in stderr, stderr
+    assert git(["rev-parse", "HEAD"], tree) == base
+    assert not (tree / ".git" / "rebase-apply").exists()
+    assert git(["status", "--porcelain", "--untracked-files=no"], tree) == ""
+    assert not list(scratch.iterdir())

@@ -1,11 +1,26 @@
 """CPU checks of te_fusedadam_offload.staging.CheckpointStager (the GPU tests, with TE, FSDP2
-and DCP on disk, are in tests/staging/)."""
+and DCP on disk, are in tests/staging/). Where the stager's logic does not need a GPU, a
+stand-in treats marked CPU tensors as the GPU's: it copies them into buffers as the stager
+copies CUDA tensors into pinned ones."""
+
+import subprocess
+import sys
 
 import pytest
+from support import REPO
 
 torch = pytest.importorskip("torch")
 
-from te_fusedadam_offload.staging import CheckpointStager  # pylint: disable=wrong-import-position
+# DCP's note that a save or load without a process group is of one process: as meant here.
+pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
+
+# pylint: disable=wrong-import-position
+import torch.distributed.checkpoint as dcp
+
+from te_fusedadam_offload.staging import CheckpointStager
+
+sys.path.insert(0, str(REPO / "tests" / "staging"))
+from slow_storage import SlowWriter  # pylint: disable=wrong-import-order
 
 
 def test_cpu_tensors_pass_through_and_other_values_are_copied():
@@ -34,3 +49,128 @@ def test_other_devices_are_refused():
     stager = CheckpointStager()
     with pytest.raises(RuntimeError, match="model/w is on meta"):
         stager.stage({"model": {"w": torch.empty(2, device="meta")}})
+
+
+def test_without_torch_the_import_says_what_is_missing():
+    code = "import sys; sys.modules['torch'] = None; import te_fusedadam_offload.staging"
+    result = subprocess.run(
+        [sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, check=False
+    )
+    assert result.returncode == 1
+    last = result.stderr.strip().splitlines()[-1]
+    assert last.startswith("ImportError: te_fusedadam_offload.staging needs PyTorch"), last
+    assert "pip install 'te-fusedadam-offload[staging]'" in last
+
+
+class _Done:
+    def synchronize(self):
+        pass
+
+
+class StandIn(CheckpointStager):
+    """CheckpointStager where the tensors marked `on_gpu` stand for CUDA tensors: copied into
+    plain CPU buffers at once, as the real one copies CUDA tensors into pinned buffers."""
+
+    def _copied(self, tensor, path):
+        return getattr(tensor, "on_gpu", False)
+
+    def _allocate(self, tensor):
+        return torch.empty(tensor.shape, dtype=tensor.dtype)
+
+    def _enqueue(self, copies):
+        for _, dst, src in copies:
+            dst.copy_(src)
+        return _Done()
+
+
+def _model(n=1 << 16):
+    weight = torch.arange(n, dtype=torch.float32)
+    weight.on_gpu = True
+    return weight
+
+
+def test_a_buffer_still_held_by_an_upload_is_not_reused():
+    """A staging while the previous staged state dict is held (its upload not done) gets a
+    new buffer and leaves the held one as it was; once dropped, the buffer is reused."""
+    weight = _model()
+    stager = StandIn()
+    first = stager.stage({"model": {"w": weight}})
+    kept = first["model"]["w"].clone()
+    weight.add_(1)
+    second = stager.stage({"model": {"w": weight}})
+    assert torch.equal(first["model"]["w"], kept)  # was overwritten before
+    assert torch.equal(second["model"]["w"], weight)
+    assert second["model"]["w"].data_ptr() != first["model"]["w"].data_ptr()
+    assert stager.overlapping_stagings == 1
+    ptr = second["model"]["w"].data_ptr()
+    del first, second
+    third = stager.stage({"model": {"w": weight}})
+    assert third["model"]["w"].data_ptr() == ptr and stager.overlapping_stagings == 1
+    assert stager.cached_bytes() == weight.nbytes
+    stager.close()
+
+
+def _load(path, like):
+    state = {"model": {"w": torch.empty_like(like)}}
+    dcp.load(state, storage_reader=dcp.FileSystemReader(path), no_dist=True)
+    return state["model"]["w"]
+
+
+def test_overlapping_async_saves_with_a_slow_storage_each_write_their_own_values(tmp_path):
+    """dcp.async_save with the stager, the storage slow (each upload waits 1 s before it
+    reads the staged tensors), three checkpoints without waiting for the uploads, training
+    between them: before, the second staging overwrote the buffers that the first upload was
+    about to write (checkpoint 0 held checkpoint 2's values). Each now loads back its own."""
+    weight = _model()
+    stager = StandIn()
+    uploads, expected = [], []
+    for n in range(3):
+        expected.append(weight.clone())
+        writer = SlowWriter(tmp_path / f"ckpt-{n}", delay_s=1.0 if n < 2 else 0.0)
+        state = {"model": {"w": weight}, "optim": {"exp_avg": torch.full((4,), float(n))}}
+        uploads.append(
+            dcp.async_save(state, storage_writer=writer, async_stager=stager, no_dist=True)
+        )
+        weight.add_(1000)  # training goes on at once
+    assert not uploads[0].done()  # the later stagings happened while it was still to write
+    for upload in uploads:
+        upload.result()
+    for n in range(3):
+        assert torch.equal(_load(tmp_path / f"ckpt-{n}", weight), expected[n]), n
+    assert stager.overlapping_stagings == 2
+    # The uploads done, the next checkpoint reuses a buffer: no new one.
+    ptrs = {t.data_ptr() for t, _ in stager._cache.values()}
+    staged = stager.stage({"model": {"w": weight}})
+    assert staged["model"]["w"].data_ptr() in ptrs and stager.overlapping_stagings == 2
+    stager.close()
+
+
+class _FullDisk(SlowWriter):
+    def write_data(self, plan, planner):
+        raise OSError(28, "No space left on device")
+
+
+def test_a_failed_upload_kept_by_the_caller_does_not_hold_up_the_next_checkpoint(tmp_path):
+    """A failed upload's future holds its staged state dict (in the exception's traceback)
+    for as long as it is kept: the next checkpoint gets new buffers, neither waits nor fails."""
+    weight = _model()
+    stager = StandIn()
+    failed = dcp.async_save(
+        {"model": {"w": weight}},
+        storage_writer=_FullDisk(tmp_path / "full", 0.0),
+        async_stager=stager,
+        no_dist=True,
+    )
+    with pytest.raises(BaseException, match="No space left on device"):  # CheckpointException
+        failed.result()
+    weight.add_(1)
+    upload = dcp.async_save(
+        {"model": {"w": weight}},
+        storage_writer=SlowWriter(tmp_path / "ok", 0.0),
+        async_stager=stager,
+        no_dist=True,
+    )
+    upload.result()
+    assert torch.equal(_load(tmp_path / "ok", weight), weight)
+    assert stager.overlapping_stagings == 1  # `failed` is still referenced here
+    stager.close()

@@ -1,0 +1,123 @@
+"""What the tool tells a user about a target beyond the patches' states: what each file the
+series changes is, the notes that status prints, and why apply or revert refuse."""
+
+from .errors import ToolError
+from .saved import file_digest
+from .series import load_checksums
+from .state import NOT_APPLIED
+from .target import older_than_supported, supported_range, te_version
+from .upstream import load_pin
+
+EDITED = (
+    "changed after apply patched it: neither the original bytes that apply saved nor as this "
+    "series patches them"
+)
+
+
+def file_report(state, overall=None):
+    """[(path, what it is)] for the upstream files the series changes: the pinned release's
+    file (by its sha256 in patches/checksums), as this series makes it (from the state), and,
+    where it is neither (as on another TE version), by what the series does to it (`overall`,
+    default: the state's)."""
+    target = state.target
+    if target.leftover:
+        return [(rel, "missing (TE was uninstalled)") for rel in sorted(load_checksums())]
+    overall = overall or state.overall
+    pinned, found = load_pin()["version"], te_version(target)
+    other = found if found and found != pinned else None
+    patched = state.patched_files(overall)
+    report = []
+    for rel, (released, _) in sorted(load_checksums().items()):
+        digest = file_digest(target.root / rel)
+        if rel in state.edited:
+            report.append((rel, EDITED + " (the saved originals are kept)"))
+        elif digest is None:
+            report.append((rel, "missing"))
+        elif digest == released:
+            report.append((rel, f"as released in TE {pinned}"))
+        elif rel in patched:
+            of = pinned if patched[rel] == released else other or "of another version"
+            report.append((rel, f"TE {of}'s, patched by this series"))
+        elif (state.saved or {}).get(rel) == "patched" and state.other_version:
+            report.append((rel, "patched by another version of this series; apply replaces it"))
+        elif overall == NOT_APPLIED:
+            report.append((rel, f"as released in TE {other}" if other else "not patched"))
+        else:
+            report.append(
+                (
+                    rel,
+                    f"neither as released in TE {pinned} nor as this series patches that"
+                    + (f"; the TE here is {other}" if other else "")
+                    + ": edited, patched by something else, or of a release that the series "
+                    "does not apply to",
+                )
+            )
+    return report
+
+
+def notes(state, overall):
+    """What the user should know beyond the state: an installed TE that is a git checkout's;
+    TE reinstalled or upgraded over an apply."""
+    found = []
+    try:
+        state.target.refuse_source_checkout("apply")
+    except ToolError as exc:
+        found.append(str(exc))
+    saved = state.saved
+    if overall != NOT_APPLIED or not saved or "patched" in saved.values():
+        return found
+    then = (state.backup.meta or {}).get("te_version")
+    now = te_version(state.target)
+    change = f" (TE {then} then, TE {now} now)" if then and now and then != now else ""
+    return found + [
+        f"the series was applied here and is not now{change}: TE was reinstalled or upgraded "
+        "since (which undoes it), or an apply was stopped before it changed a file. Run apply "
+        "again; it is idempotent: run it after every install or upgrade of TE"
+    ]
+
+
+def drift_message(target, rows, action, edited=()):
+    """Why `action` (apply, revert) cannot go on, the rows of the patches, and what to do."""
+    pin, found = load_pin(), te_version(target)
+    oldest, pinned = supported_range()
+    supported = f"TE {oldest} to {pinned}" if oldest != pinned else f"TE {pinned}"
+    pip = f"{target.python or 'python'} -m pip install"
+    if older_than_supported(found):
+        lead = (
+            f"found TE {found} at {target.root}; this series supports {supported} (made and "
+            f"tested for {pinned}): the FusedAdam code it builds on differs in older releases"
+        )
+    elif found is not None and found != pinned:
+        lead = f"found TE {found} at {target.root}; this series is made for TE {pinned}"
+    else:
+        lead = f"{target} has drifted from what the series expects (TE {pinned})"
+    if edited:
+        lead = f"{', '.join(edited)} {EDITED}"
+        advice = (
+            f"'te-fusedadam-offload revert --discard-edits {target.args}' writes the saved "
+            "originals back (what was changed after apply is lost; copy the file first to "
+            f"keep it){', then run apply again' if action == 'apply' else ''}"
+        )
+    elif target.kind == "checkout":
+        advice = f"check out the pinned main commit {pin['main']['commit']} and run {action} again"
+    elif target.kind == "tree":
+        advice = (
+            f"put the files of a supported TE ({supported}) there, unchanged (e.g. unpack its "
+            f"release wheel), or point at such a tree, and run {action} again"
+        )
+    elif found is not None and found != pinned:
+        advice = (
+            f"install TE {pinned} ({pip} 'transformer_engine[pytorch]=={pinned}') and run "
+            f"{action} again"
+        )
+    else:
+        advice = (
+            f"its files were changed by something else: reinstall TE {pinned} ({pip} "
+            f"--force-reinstall --no-deps 'transformer_engine=={pinned}') and run {action} again"
+        )
+    lines = [f"cannot {action}: {lead}"]
+    lines += [
+        f"  {name}: {state}" + (f" ({detail})" if detail else "") for name, state, detail in rows
+    ]
+    lines.append(f"What to do: {advice}.")
+    return "\n".join(lines)
