@@ -233,9 +233,10 @@ def test_overlapping_checkpoints_with_a_slow_storage_writer_load_back_bitwise(
     assert stager.overlapping_stagings == 2
     pointers = {t.data_ptr() for t, _ in stager._cache.values()}
     _step(model, optimizer, 100)
-    _save(
+    result = _save(
         model, optimizer, stager, os.path.join(ckpt_root, "ckpt-3"), dist.new_group(backend="gloo")
-    ).result()
+    )
+    (result.upload_completion if async_staging else result).result()
     assert {t.data_ptr() for t, _ in stager._cache.values()} == pointers
     assert stager.overlapping_stagings == 2
     stager.close()
