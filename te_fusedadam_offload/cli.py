@@ -75,7 +75,7 @@ def cmd_check(args):
     if overall == NOT_APPLIED and older_than_supported(found):
         print(f"  TE {found} is older than the releases the series supports")
         return 1
-    if overall != APPLIED and state.target.source_checkout:
+    if overall != APPLIED and (state.target.source_checkout or state.edited):
         for note in notes(state, overall):
             print(f"  {note}")
         return 1
@@ -94,7 +94,7 @@ def cmd_apply(args):
     if args.dry_run:
         message, diff = dry_run(target, patches)
         sys.stdout.write(diff)
-        print(f"dry run: {target}: {message}; nothing was changed")
+        print(f"dry run: {target}: apply would say: {message}; nothing was changed")
         return
     message = apply(target, patches)
     overall = State(target, patches).overall
@@ -194,8 +194,7 @@ def build_parser(maintainers=None):
                 metavar="N",
                 help=(
                     "[maintainers] only the first N pull requests of the stack (to test them "
-                    "alone, as the GPU runner's STACK_PREFIX=N does); a later apply without it "
-                    "replaces them with the whole stack"
+                    "alone); a later apply without it replaces them with the whole stack"
                 ),
             )
         if name == "status":

@@ -76,7 +76,7 @@ def check(log2):
     try:
         import torch  # pylint: disable=import-outside-toplevel
     except ImportError as exc:
-        return 4, [f"cannot run: {exc}"]
+        return 4, [f"cannot run: PyTorch does not import in this Python ({exc})"]
     if not torch.cuda.is_available():
         return 4, [f"cannot run: no CUDA GPU is visible to this PyTorch ({torch.__version__})"]
     try:
@@ -144,7 +144,9 @@ def check(log2):
 def main(argv=None):
     """python -m te_fusedadam_offload.gpu_check [--log2 N]"""
     parser = argparse.ArgumentParser(
-        prog="python -m te_fusedadam_offload.gpu_check", description=__doc__.split("\n\n")[0]
+        prog="python -m te_fusedadam_offload.gpu_check",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.add_argument("--log2", type=int, default=27, help="2^N parameter elements (27)")
     code, lines = check(parser.parse_args(argv).log2)

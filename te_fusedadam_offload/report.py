@@ -14,6 +14,12 @@ EDITED = (
 )
 
 
+NOT_PRISTINE = (
+    "edited or patched by something else, and not patched by this series; apply keeps those "
+    "changes, and revert gives these bytes back"
+)
+
+
 def file_report(state, overall=None):
     """[(path, what it is)] for the upstream files the series changes: the pinned release's
     file (by its sha256 in patches/checksums), as this series makes it (from the state), and,
@@ -40,8 +46,10 @@ def file_report(state, overall=None):
             report.append((rel, f"TE {of}'s, patched by this series"))
         elif (state.saved or {}).get(rel) == "patched" and state.other_version:
             report.append((rel, "patched by another version of this series; apply replaces it"))
-        elif overall == NOT_APPLIED:
-            report.append((rel, f"as released in TE {other}" if other else "not patched"))
+        elif overall == NOT_APPLIED and other:
+            report.append((rel, f"as released in TE {other}"))
+        elif overall == NOT_APPLIED:  # the series applies, but not to the release's bytes
+            report.append((rel, f"not as released in TE {pinned}: {NOT_PRISTINE}"))
         else:
             report.append(
                 (
@@ -57,12 +65,18 @@ def file_report(state, overall=None):
 
 def notes(state, overall):
     """What the user should know beyond the state: an installed TE that is a git checkout's;
-    TE reinstalled or upgraded over an apply."""
+    TE reinstalled or upgraded over an apply; files edited after apply patched them."""
     found = []
     try:
         state.target.refuse_source_checkout("apply")
     except ToolError as exc:
         found.append(str(exc))
+    if state.edited:
+        found.append(
+            f"{', '.join(state.edited)} {EDITED}: 'te-fusedadam-offload revert --discard-edits "
+            f"{state.target.args}' writes the saved originals back (what was changed after "
+            "apply is lost; copy the file first to keep it)"
+        )
     saved = state.saved
     if overall != NOT_APPLIED or not saved or "patched" in saved.values():
         return found

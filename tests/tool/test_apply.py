@@ -167,6 +167,23 @@ def test_drifted_target_is_reported_and_left_unchanged(tree):
     assert cli.main(["check", str(tree)]) == 1
 
 
+def test_a_file_edited_before_apply_is_not_called_released_and_its_edit_is_kept(tree):
+    """A line appended to the release's fused_adam.py, where the series still applies: status
+    said "not patched", as of the released file. Now it says the file is not as released; apply
+    keeps the edit, and revert gives the edited bytes back."""
+    edited = (tree / FUSED_ADAM).read_bytes() + b"# a local edit\n"
+    (tree / FUSED_ADAM).write_bytes(edited)
+    t = target.find_target(tree)
+    assert state.State(t).overall == state.NOT_APPLIED
+    assert report.file_report(state.State(t)) == [
+        (FUSED_ADAM, f"not as released in TE 2.20.2: {report.NOT_PRISTINE}")
+    ]
+    actions.apply(t)
+    assert (tree / FUSED_ADAM).read_bytes().endswith(b"# a local edit\n")
+    actions.revert(t)
+    assert (tree / FUSED_ADAM).read_bytes() == edited
+
+
 def test_a_file_edited_after_apply_is_drifted_and_revert_keeps_it_unless_told(tree, pristine):
     """A line appended to the patched fused_adam.py: status said "applied" (exit 0), check
     exit 0, and revert said "reverted" but kept the edit and deleted the saved originals. Now
@@ -329,7 +346,9 @@ def test_apply_dry_run_shows_the_diff_and_changes_nothing(tree, tmp_path):
     assert (listing(tree), (tree / FUSED_ADAM).read_bytes()) == before
     diff, _, summary = result.stdout.rpartition("dry run: ")
     count = len(release_patches())
-    assert summary.startswith(f"tree TE at {tree.resolve()}: applied {count} patch(es)")
+    assert summary.startswith(
+        f"tree TE at {tree.resolve()}: apply would say: applied {count} patch(es)"
+    )
     assert summary.rstrip().endswith("; nothing was changed")
     # The diff is what apply writes: applied to a copy, it gives the same bytes.
     copy = tmp_path / "copy"
@@ -341,8 +360,8 @@ def test_apply_dry_run_shows_the_diff_and_changes_nothing(tree, tmp_path):
     result = run_tool(["apply", "--dry-run", str(tree)])
     assert (
         result.stdout
-        == f"dry run: tree TE at {tree.resolve()}: already applied; nothing "
-        "to do; nothing was changed\n"
+        == f"dry run: tree TE at {tree.resolve()}: apply would say: already applied; "
+        "nothing to do; nothing was changed\n"
     )
 
 
