@@ -3,13 +3,14 @@
 import signal
 import sys
 
-from .errors import EXIT_INTERRUPTED, interrupted_early
+from .errors import EXIT_INTERRUPTED, interrupted_early, quiet_lost_interrupts
 
 
 def main():
     """The command line (cli.main). A Ctrl-C while the tool's modules are imported (a tenth of
     a second) stops it before it has read anything: one line, exit 130."""
     try:
+        quiet_lost_interrupts()
         from .cli import main as cli_main  # pylint: disable=import-outside-toplevel
     except KeyboardInterrupt:
         signal.signal(signal.SIGINT, signal.SIG_IGN)

@@ -14,7 +14,14 @@ import textwrap
 
 from . import __version__
 from .actions import apply, dry_run, revert
-from .errors import EXIT_CODES, EXIT_INTERRUPTED, EXIT_USAGE, ToolError, interrupted_early
+from .errors import (
+    EXIT_CODES,
+    EXIT_INTERRUPTED,
+    EXIT_USAGE,
+    ToolError,
+    interrupted_early,
+    quiet_lost_interrupts,
+)
 from .maintainers import MAINTAINERS_COMMANDS, add_commands
 from .paths import repo_root
 from .saved import remove_stale_files
@@ -263,7 +270,7 @@ def main(argv=None, command=False):
     of this run in $TMPDIR, removed at the end, also after Ctrl-C, which ends the command with
     one line saying what the files are (exit 130). As the command (`command`, __main__.py),
     a Ctrl-C after the work is done is ignored: the exit status is that of the work."""
-    previous = signal.getsignal(signal.SIGINT)
+    previous, unraisable = signal.getsignal(signal.SIGINT), quiet_lost_interrupts()
     if previous is not signal.SIG_IGN:  # as Python does, a SIGINT ignored at start stays so
         signal.signal(signal.SIGINT, _on_sigint)
     # Ctrl-C is held back until the scratch directory is known, so that it is removed.
@@ -297,3 +304,4 @@ def main(argv=None, command=False):
         tempfile.tempdir = tempdir
         if not command:
             signal.signal(signal.SIGINT, previous)
+            sys.unraisablehook = unraisable

@@ -1,5 +1,7 @@
 """Errors the tool reports to its user, each with the exit status of its kind."""
 
+import sys
+
 # Exit statuses (also in the README and in `--help`).
 EXIT_NO = 1  # the answer is no: not applied, drifted, a failed check; or a run that failed
 EXIT_USAGE = 2  # bad arguments (argparse)
@@ -50,3 +52,19 @@ def interrupted_early(argv):
     """The line of a command stopped by Ctrl-C before it found its TE (`argv`: its arguments)."""
     name = " ".join(["te-fusedadam-offload", *[a for a in argv[:1] if a[:1] != "-"]])
     return f"{name}: interrupted before it read the TE; nothing was changed"
+
+
+def quiet_lost_interrupts():
+    """A Ctrl-C that lands in a callback that Python cannot raise from (a weakref callback of
+    the import system, seen when it came while a module was imported) is lost: Python prints
+    "Exception ignored in ..." with a traceback and the command goes on. Print nothing for it
+    (the command then ends as if Ctrl-C came after its work); other such errors as before.
+    Returns the hook it replaced."""
+    previous = sys.unraisablehook
+
+    def hook(unraisable):
+        if not isinstance(unraisable.exc_value, KeyboardInterrupt):
+            previous(unraisable)
+
+    sys.unraisablehook = hook
+    return previous

@@ -225,12 +225,18 @@ def test_ctrl_c_at_any_point_says_what_the_files_are_and_leaves_no_scratch(
     _assert_way_out(tree, pristine, 0o644)
 
 
-# The command as pip's console script starts it, saying on stderr when its module is imported
-# (the interpreter's own start, before any code of the tool, is not the tool's to handle).
-_CONSOLE_SCRIPT = (
-    "import sys; from te_fusedadam_offload.__main__ import main; "
-    "print('ready', file=sys.stderr, flush=True); sys.exit(main())"
-)
+# The command as pip's console script starts it, saying on stderr when its main() has begun
+# (the interpreter's own start and the script's lines before main(), before any code of the
+# tool runs, are not the tool's to handle: a Ctrl-C there gives Python's traceback).
+_CONSOLE_SCRIPT = """import sys
+import te_fusedadam_offload.__main__ as command
+quiet = command.quiet_lost_interrupts
+def ready():
+    print('ready', file=sys.stderr, flush=True)
+    return quiet()
+command.quiet_lost_interrupts = ready
+sys.exit(command.main())
+"""
 
 
 def _ctrl_c_after(args, delay, scratch):
