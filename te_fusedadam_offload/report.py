@@ -72,11 +72,7 @@ def notes(state, overall):
     except ToolError as exc:
         found.append(str(exc))
     if state.edited:
-        found.append(
-            f"{', '.join(state.edited)} {EDITED}: 'te-fusedadam-offload revert --discard-edits "
-            f"{state.target.args}' writes the saved originals back (what was changed after "
-            "apply is lost; copy the file first to keep it)"
-        )
+        found.append(f"{', '.join(state.edited)} {EDITED}: {_discard_edits(state.target)}")
     saved = state.saved
     if overall != NOT_APPLIED or not saved or "patched" in saved.values():
         return found
@@ -88,6 +84,14 @@ def notes(state, overall):
         "since (which undoes it), or an apply was stopped before it changed a file. Run apply "
         "again; it is idempotent: run it after every install or upgrade of TE"
     ]
+
+
+def _discard_edits(target):
+    """How to take out a series whose files were edited after apply, dropping the edits."""
+    return (
+        f"'te-fusedadam-offload revert --discard-edits {target.args}' writes the saved "
+        "originals back (what was changed after apply is lost; copy the file first to keep it)"
+    )
 
 
 def drift_message(target, rows, action, edited=()):
@@ -107,11 +111,7 @@ def drift_message(target, rows, action, edited=()):
         lead = f"{target} has drifted from what the series expects (TE {pinned})"
     if edited:
         lead = f"{', '.join(edited)} {EDITED}"
-        advice = (
-            f"'te-fusedadam-offload revert --discard-edits {target.args}' writes the saved "
-            "originals back (what was changed after apply is lost; copy the file first to "
-            f"keep it){', then run apply again' if action == 'apply' else ''}"
-        )
+        advice = _discard_edits(target) + (", then run apply again" if action == "apply" else "")
     elif target.kind == "checkout":
         advice = f"check out the pinned main commit {pin['main']['commit']} and run {action} again"
     elif target.kind == "tree":
