@@ -153,6 +153,14 @@ def _save(model, optimizer, stager, path, group, storage_writer=None):
     return dcp.async_save(state, process_group=group, async_stager=stager, **where)
 
 
+def _upload(result, async_staging):
+    """The future of the upload of what _save() returned, once staging is complete."""
+    if not async_staging:
+        return result
+    result.staging_completion.result()
+    return result.upload_completion
+
+
 def _load(path):
     model, optimizer = _build(seed=99)  # other values everywhere
     _step(model, optimizer, -1)  # states exist, to be overwritten in place
@@ -181,11 +189,7 @@ def test_consecutive_checkpoints_load_back_and_resume_bitwise(ckpt_root, async_s
         saved.append(_snapshot(model, optimizer))
         result = _save(model, optimizer, stager, os.path.join(ckpt_root, f"ckpt-{n}"), group)
         _forward_backward(model, 10 * n + 1)  # with async staging, beside the copies
-        if async_staging:
-            result.staging_completion.result()
-            upload = result.upload_completion
-        else:
-            upload = result
+        upload = _upload(result, async_staging)
         params = [p._local_tensor for p in model.parameters()]
         kept = [p.clone() for p in params]
         for p in params:
@@ -223,10 +227,7 @@ def test_overlapping_checkpoints_with_a_slow_storage_writer_load_back_bitwise(
         # A group per checkpoint: DCP runs overlapping uploads at once, each in its thread.
         group = dist.new_group(backend="gloo")
         result = _save(model, optimizer, stager, None, group, storage_writer=writer)
-        if async_staging:
-            result.staging_completion.result()
-            result = result.upload_completion
-        uploads.append(result)
+        uploads.append(_upload(result, async_staging))
     assert not uploads[0].done()  # the later stagings came while it had still to write
     for upload in uploads:
         upload.result()
@@ -236,7 +237,7 @@ def test_overlapping_checkpoints_with_a_slow_storage_writer_load_back_bitwise(
     result = _save(
         model, optimizer, stager, os.path.join(ckpt_root, "ckpt-3"), dist.new_group(backend="gloo")
     )
-    (result.upload_completion if async_staging else result).result()
+    _upload(result, async_staging).result()
     assert {t.data_ptr() for t, _ in stager._cache.values()} == pointers
     assert stager.overlapping_stagings == 2
     stager.close()
