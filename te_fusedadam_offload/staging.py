@@ -6,7 +6,8 @@ optimizer part of the state dict is already a private CPU copy (bitwise the defa
 and copying it again is most of the checkpoint stall (6.4 GB per rank at 2^29 parameter
 elements with BF16 moments and FP32 master weights). :class:`CheckpointStager` copies only the
 GPU tensors (the model's parameters and buffers, which training changes) into pinned CPU
-buffers that it keeps for the next checkpoint, and passes CPU tensors through as they are::
+buffers that it keeps for the next checkpoint, and passes CPU tensors through as they are (a
+fragment: DCP's imports, ``model``, ``optimizer``, ``path`` and the options are the caller's)::
 
     from te_fusedadam_offload.staging import CheckpointStager
 
@@ -21,12 +22,20 @@ buffers that it keeps for the next checkpoint, and passes CPU tensors through as
     upload.result()  # before the next checkpoint, as DCP's collectives need
     stager.close()  # at the end
 
+Without the export's wait: ``stager.optimizer_snapshot(model, optimizer)`` in place of
+``get_optimizer_state_dict(...)`` has the stager copy the optimizer states themselves into
+pinned buffers that it keeps, on its side stream, and ``optimizer.step()`` wait on the GPU for
+those copies; with ``CheckpointStager(async_staging=True)`` the checkpoint then costs training
+only what of the copies forward and backward do not cover.
+
 This module is a runtime helper of this patch set, not TE code. It implements DCP's public
 ``AsyncStager`` protocol; of DTensor it uses the local tensor and the spec, as DCP's own
 state-dict utilities and ``DTensor.to()`` do, to wrap a CPU copy of a GPU DTensor's shard.
 """
 
 import copy
+import dataclasses
+import functools
 import threading
 import time
 import weakref
@@ -35,12 +44,14 @@ from concurrent.futures import Future, ThreadPoolExecutor
 try:
     import torch
     from torch.distributed.checkpoint.staging import AsyncStager
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
+    from torch.distributed.fsdp import FullyShardedDataParallel
     from torch.distributed.tensor import DTensor
 except ImportError as exc:  # pragma: no cover (the message is tested in a torch-less process)
     raise ImportError(
         "te_fusedadam_offload.staging needs PyTorch with torch.distributed.checkpoint's "
-        f"AsyncStager and DTensor ({exc}); install torch, or pip install "
-        "'te-fusedadam-offload[staging]' where it is missing"
+        f"AsyncStager and DTensor ({exc}); install torch (the extra 'staging' of this package "
+        "declares it: pip install '<its checkout>[staging]')"
     ) from exc
 
 __all__ = ["CheckpointStager"]
@@ -65,7 +76,9 @@ class CheckpointStager(AsyncStager):
             side CUDA stream and returns a future; ``dcp.async_save`` returns an
             ``AsyncSaveResponse``, and forward and backward can run while the copies are made,
             but nothing may change the model's tensors (``optimizer.step()``, loads, in-place
-            updates) before ``response.staging_completion.result()`` returns.
+            updates) before ``response.staging_completion.result()`` returns; with an
+            :meth:`optimizer_snapshot` in the state dict, that optimizer's ``step()`` waits on
+            the GPU by itself instead (the rest still waits for ``staging_completion``).
 
     Checkpoints that overlap: a buffer is reused only when nothing holds what the last
     staging made of it, that is when the upload that wrote it is done (DCP drops the staged
@@ -78,6 +91,11 @@ class CheckpointStager(AsyncStager):
     process group it is given), so waiting for the previous upload before the next checkpoint
     remains the way to keep one upload at a time. ``stage()`` raises a RuntimeError if the
     previous *staging* (``async_staging=True``) is not complete.
+
+    The optimizer part can be a snapshot that the stager takes (:meth:`optimizer_snapshot`)
+    instead of the export: no ``state_dict_cpu_offload`` wait, the states copied into pinned
+    buffers kept like the model's. :meth:`close` frees the buffers and empties PyTorch's cache
+    of pinned memory, giving the host memory back.
     """
 
     def __init__(self, *, async_staging=False):
@@ -93,7 +111,12 @@ class CheckpointStager(AsyncStager):
         self._idle = threading.Event()
         self._idle.set()
         self._lock = threading.Lock()
+        self._lock_event = threading.Lock()
         self._closed = False
+        # optimizer -> the handle of its step pre-hook (optimizer_snapshot()); neither keeps
+        # the other alive
+        self._hooks = weakref.WeakKeyDictionary()
+        self._snapshot_event = None  # (device, event) of the last snapshot's copies, until done
 
     @property
     def should_synchronize_after_execute(self):
@@ -101,8 +124,9 @@ class CheckpointStager(AsyncStager):
         return False
 
     def stage(self, state_dict):
-        """The state dict with GPU tensors copied to the reused pinned buffers and everything
-        else passed through (see the class); a future of it with ``async_staging=True``."""
+        """The state dict with GPU tensors copied to the reused pinned buffers, optimizer
+        snapshots taken (:meth:`optimizer_snapshot`) and everything else passed through (see
+        the class); a future of it with ``async_staging=True``."""
         with self._lock:
             if self._closed:
                 raise RuntimeError("CheckpointStager.stage() called after close()")
@@ -112,23 +136,29 @@ class CheckpointStager(AsyncStager):
                     "complete; wait for its staging_completion first"
                 )
             self._wait_briefly_for_uploads()
-            copies, busy = [], []
-            staged = self._walk(state_dict, (), (copies, busy))
-            if busy:
+            work = _Work()
+            staged = self._walk(state_dict, (), work)
+            if work.busy:
                 self.overlapping_stagings += 1
             # Buffers of keys that this state dict no longer has are freed.
-            self._cache = {path: self._cache[path] for path, _, _ in copies}
-            if not copies or not self._async:
-                if copies:
-                    self._enqueue(copies).synchronize()
+            self._cache = {path: self._cache[path] for path in work.paths}
+            if work.copies:
+                self._enqueue(work.copies, work)
+            if work.device is None:  # nothing on a GPU
                 if not self._async:
                     return staged
                 done = Future()
                 done.set_result(staged)
                 return done
-            event = self._enqueue(copies)
+            event = torch.cuda.Event()
+            event.record(self._stream)
+            if work.snapshot:  # the optimizer's step() waits (on the GPU) for these copies
+                with self._lock_event:
+                    self._snapshot_event = (work.device, event)
+            if not self._async:
+                return self._wait_for(event, staged, work.widen)
             self._idle.clear()
-            return self._executor.submit(self._wait_for, event, staged)
+            return self._executor.submit(self._wait_for, event, staged, work.widen)
 
     def _wait_briefly_for_uploads(self):
         """Give an upload that has just completed up to 10 ms to drop its state dict: its
@@ -139,14 +169,22 @@ class CheckpointStager(AsyncStager):
                 return
             time.sleep(0.001)
 
-    def _wait_for(self, event, staged):
+    def _wait_for(self, event, staged, widen):
         try:
+            for copied, buffer, dtype in widen:  # each once its copy is done, beside the others
+                copied.synchronize()
+                _widen(buffer, dtype)
             event.synchronize()
+            with self._lock_event:  # the copies are done: later steps need not wait
+                if self._snapshot_event is not None and self._snapshot_event[1] is event:
+                    self._snapshot_event = None
         finally:
             self._idle.set()
         return staged
 
     def _walk(self, value, path, work):
+        if isinstance(value, _OptimizerSnapshot):
+            return self._snapshot(value, path, work)
         if isinstance(value, DTensor):
             if value._local_tensor.device.type == "cpu":
                 return value
@@ -167,18 +205,23 @@ class CheckpointStager(AsyncStager):
     def _tensor(self, tensor, path, work):
         if not self._copied(tensor, path):
             return tensor
-        copies, busy = work
+        view = self._buffer(path, tensor.shape, tensor.dtype, work)
+        work.copies.append((path, view, tensor))
+        return view
+
+    def _buffer(self, path, shape, dtype, work):
+        """The pinned buffer of `path`, the last one unless its upload still holds it."""
         buffer, last = self._cache.get(path, (None, None))
         if last is not None and last() is not None:
-            busy.append(path)  # its upload is not done: this checkpoint gets a new buffer
+            work.busy.append(path)  # its upload is not done: this checkpoint gets a new buffer
             buffer = None
-        if buffer is None or buffer.shape != tensor.shape or buffer.dtype != tensor.dtype:
-            buffer = self._allocate(tensor)
+        if buffer is None or buffer.shape != shape or buffer.dtype != dtype:
+            buffer = self._allocate(shape, dtype)
         # The staged state dict gets a view of the buffer, which DCP holds until the upload
         # is done: while it lives, the buffer is not reused.
         view = buffer.view(buffer.shape)
         self._cache[path] = (buffer, weakref.ref(view))
-        copies.append((path, view, tensor))
+        work.paths.append(path)
         return view
 
     def _copied(self, tensor, path):
@@ -192,30 +235,186 @@ class CheckpointStager(AsyncStager):
             )
         return True
 
-    def _allocate(self, tensor):
-        """A new pinned CPU buffer for `tensor`."""
-        return torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
+    def _allocate(self, shape, dtype):
+        """A new pinned CPU buffer."""
+        return torch.empty(shape, dtype=dtype, pin_memory=True)
 
-    def _enqueue(self, copies):
-        """Enqueue the device-to-host copies on the side stream, after the work already
-        enqueued on the current stream (which may still be writing the sources)."""
-        device = copies[0][2].device
+    def _side_stream(self, device, path, work):
+        """The side stream, once per staging made to wait for the work already enqueued on
+        the current stream (which may still be writing the sources)."""
+        if work.device is None:
+            if self._stream is None or self._stream.device != device:
+                self._stream = torch.cuda.Stream(device=device)
+            self._stream.wait_stream(torch.cuda.current_stream(device))
+            work.device = device
+        elif device != work.device:
+            raise RuntimeError(
+                "CheckpointStager stages the tensors of one CUDA device per process; "
+                f"{'/'.join(map(str, path))} is on {device}, others on {work.device}"
+            )
+        return self._stream
+
+    def _enqueue(self, copies, work):
+        """Enqueue the device-to-host copies on the side stream."""
         for path, _, src in copies:
-            if src.device != device:
-                raise RuntimeError(
-                    "CheckpointStager stages the tensors of one CUDA device per process; "
-                    f"{'/'.join(map(str, path))} is on {src.device}, others on {device}"
-                )
-        if self._stream is None or self._stream.device != device:
-            self._stream = torch.cuda.Stream(device=device)
-        self._stream.wait_stream(torch.cuda.current_stream(device))
+            self._side_stream(src.device, path, work)
         with torch.cuda.stream(self._stream):
             for _, dst, src in copies:
                 dst.copy_(src, non_blocking=True)
                 src.record_stream(self._stream)
-        event = torch.cuda.Event()
-        event.record(self._stream)
-        return event
+
+    def optimizer_snapshot(self, model, optimizer, *, options=None):
+        """What ``get_optimizer_state_dict(model, optimizer, options=options)`` returns for a
+        TE ``FusedAdam``, taken by this stager when ``dcp.async_save`` stages it, without the
+        export's wait: put it in the state dict in place of that.
+
+        At ``stage()``, the stager copies each state's own bytes (BF16, FP32 or int16; FP16 and
+        FP8 states unscaled to FP32 on the GPU by ``FusedAdam.get_unscaled_state``, one state
+        at a time) from the GPU into pinned FP32 (int16) buffers that it keeps for the next
+        checkpoint, on its side stream, and the state dict that DCP writes holds those buffers,
+        the BF16 ones converted to FP32 in place once copied: bitwise what
+        ``FusedAdam.state_dict()`` exports, as CPU tensors (CPU DTensors for DTensor
+        parameters), with the param groups staged as the rest of the state dict is. Until the
+        copies are done, ``optimizer.step()`` makes the GPU wait for them (a step pre-hook; the
+        CPU does not wait), so forward and backward run beside them. That hook covers
+        ``step()`` of this optimizer only (not a step replayed from a CUDA graph): anything else
+        that changes the optimizer's states or the model's parameters in place (a load, another
+        optimizer, an in-place update) must wait for the staging first (``staging_completion``
+        with ``async_staging=True``). Do not wait for ``staging_completion`` before
+        ``optimizer.step()`` itself: it also covers the conversion on the CPU.
+
+        Arguments:
+            model (torch.nn.Module): as for ``get_optimizer_state_dict``; not FSDP1 (its
+                optimizer state dict reshapes the values, which are not copied yet then).
+            optimizer (FusedAdam): a TE ``FusedAdam`` (not a subclass that overrides
+                ``state_dict()``) that has taken a step; ``state_dict_cpu_offload`` is not
+                needed.
+            options (StateDictOptions, optional): as for ``get_optimizer_state_dict``, but
+                not ``full_state_dict`` (it would gather values not copied yet).
+
+        Host memory: the buffers hold the optimizer part of one checkpoint (4 bytes per state
+        element, int16 remainders 2, as :meth:`cached_bytes` counts them; PyTorch's pinned
+        allocator rounds each buffer up to a power of two) per process between checkpoints,
+        until :meth:`close`; a checkpoint that overlaps an upload still writing them gets new
+        ones (see the class). GPU memory:
+        none for BF16, FP32 and int16 states; for FP16 and FP8 states, the FP32 copy of one
+        state at a time. The returned object is for this stager's ``stage()`` only: pickling
+        or deep-copying it raises a TypeError (``dcp.save`` reports it in its
+        ``CheckpointException``), and another stager's ``stage()`` raises one too.
+        """
+        if self._closed:
+            raise RuntimeError(
+                "CheckpointStager.optimizer_snapshot() called after close(); make a new stager"
+            )
+        if options is not None and options.full_state_dict:
+            raise ValueError(
+                "CheckpointStager.optimizer_snapshot() does not take full_state_dict: it "
+                "would gather states that are not copied yet"
+            )
+        fused_adam = next(
+            (c for c in type(optimizer).__mro__ if "get_unscaled_state" in vars(c)), None
+        )
+        if fused_adam is None:
+            raise TypeError(
+                "CheckpointStager.optimizer_snapshot() takes a TE FusedAdam, got "
+                f"{type(optimizer).__name__}"
+            )
+        if type(optimizer).state_dict is not fused_adam.state_dict:
+            raise TypeError(
+                f"CheckpointStager.optimizer_snapshot(): {type(optimizer).__name__} overrides "
+                "state_dict(), which the snapshot would not follow"
+            )
+        if any(isinstance(m, FullyShardedDataParallel) for m in model.modules()):
+            raise ValueError(
+                "CheckpointStager.optimizer_snapshot() does not take FSDP1 models (their "
+                "optimizer state dict reshapes the states); use fully_shard (FSDP2)"
+            )
+        return _OptimizerSnapshot(self, model, optimizer, options)
+
+    def _snapshot(self, snapshot, path, work):
+        """The optimizer state dict of `snapshot`, its states copied into pinned buffers."""
+        if snapshot.stager is not self:
+            raise TypeError(
+                "an optimizer_snapshot() of another CheckpointStager: pass it to the stager "
+                "whose optimizer_snapshot() made it"
+            )
+        optimizer = snapshot.optimizer
+        if not optimizer.state:
+            raise RuntimeError(
+                "CheckpointStager.optimizer_snapshot(): the optimizer has no states yet "
+                "(before its first step)"
+            )
+        if optimizer not in self._hooks:
+            hook = functools.partial(_wait_for_snapshot, weakref.ref(self))
+            self._hooks[optimizer] = optimizer.register_step_pre_hook(hook)
+        params = [p for g in optimizer.param_groups for p in g["params"]]
+        saved = torch.optim.Optimizer.state_dict(optimizer)  # indices and param_groups
+        exports = {
+            index: {
+                name: self._export(optimizer, params[index], name, (*path, index, name), work)
+                for name in names
+            }
+            for index, names in saved["state"].items()
+        }
+        work.snapshot = True
+        # DCP maps the indices to names as it does FusedAdam.state_dict()'s; an instance
+        # attribute of the same name (a wrapper's) is put back afterwards.
+        own = vars(optimizer).get("state_dict")
+        try:
+            optimizer.state_dict = lambda: dict(saved, state=exports)
+            state_dict = get_optimizer_state_dict(
+                snapshot.model, optimizer, options=snapshot.options or StateDictOptions()
+            )
+        finally:
+            if own is None:
+                vars(optimizer).pop("state_dict", None)
+            else:
+                optimizer.state_dict = own
+        # The param groups as the rest: GPU tensors (capturable's step) copied, others copied.
+        return self._walk(state_dict, path, work)
+
+    def _export(self, optimizer, param, name, path, work):
+        """A pinned buffer (a view of it, in a DTensor for a DTensor `param`) that holds
+        FusedAdam's export of the state `name` of `param` once the side stream's copies are
+        done (BF16 states: once also widened)."""
+        if param.device.type != "cuda":
+            raise RuntimeError(
+                "CheckpointStager.optimizer_snapshot() copies the states of CUDA parameters; "
+                f"{'/'.join(map(str, path))} is on {param.device}"
+            )
+        stream = self._side_stream(param.device, path, work)
+        bf16 = optimizer.name_to_dtype_map[name] == torch.bfloat16
+        with torch.cuda.stream(stream):
+            # A BF16 state as it is (skip_unscale: the stager widens it on the CPU); FP16 and
+            # FP8 states unscaled to FP32, FP32 and int16 states as they are.
+            value = optimizer.get_unscaled_state(param, name, skip_unscale=bf16)
+            if value.dtype not in ((torch.bfloat16,) if bf16 else (torch.float32, torch.int16)):
+                raise RuntimeError(
+                    "CheckpointStager.optimizer_snapshot(): get_unscaled_state() gave "
+                    f"{value.dtype} for {'/'.join(map(str, path))}"
+                )
+            if not value.is_contiguous():
+                raise RuntimeError(
+                    "CheckpointStager.optimizer_snapshot() needs contiguous states; "
+                    f"{'/'.join(map(str, path))} has stride {value.stride()}"
+                )
+            dtype = torch.int16 if value.dtype == torch.int16 else torch.float32
+            buffer = self._buffer(path, value.shape, dtype, work)
+            # The state's bytes fill the end of the buffer (all of it unless BF16).
+            start = buffer.nbytes - value.nbytes
+            buffer.view(-1).view(torch.uint8)[start:].view(value.dtype).copy_(
+                value.view(-1), non_blocking=True
+            )
+            value.record_stream(stream)
+            if bf16:
+                work.widen.append((stream.record_event(), buffer, value.dtype))
+        if not isinstance(param, DTensor):
+            return buffer
+        # The spec of the parameter with the export's dtype, as FusedAdam.state_dict() makes it.
+        meta = param._spec.tensor_meta._replace(dtype=dtype)
+        return DTensor(
+            buffer, dataclasses.replace(param._spec, tensor_meta=meta), requires_grad=False
+        )
 
     def cached_bytes(self):
         """Bytes of pinned CPU memory the stager holds for the next checkpoint."""
@@ -226,11 +425,84 @@ class CheckpointStager(AsyncStager):
         self._idle.wait()
 
     def close(self):
-        """Wait for the last staging and free the pinned buffers; the stager cannot stage
-        again."""
+        """Wait for the last staging, free the pinned buffers (those that no upload still
+        holds; the others when it lets go) and empty PyTorch's cache of pinned memory (the
+        process's: other cached pinned blocks go too), giving it back to the system; remove
+        the step pre-hooks of :meth:`optimizer_snapshot`. The stager cannot stage again."""
         with self._lock:
             self._closed = True
             self._idle.wait()
             if self._executor is not None:
                 self._executor.shutdown(wait=True)
             self._cache.clear()
+            for handle in list(self._hooks.values()):
+                handle.remove()
+            self._hooks.clear()
+            self._snapshot_event = None
+            if torch.cuda.is_available():
+                _empty_host_cache()
+
+
+class _Work:
+    """What one staging collects while it walks the state dict."""
+
+    def __init__(self):
+        self.copies = []  # (path, pinned view, GPU tensor) of the GPU tensors (not the states)
+        self.busy = []  # paths whose buffers an upload still holds
+        self.paths = []  # paths of the buffers this staging uses
+        self.widen = []  # (event of its copy, FP32 buffer, dtype of the state copied into its end)
+        self.device = None  # the CUDA device, once the side stream waits for its stream
+        self.snapshot = False  # whether an optimizer snapshot is in it
+
+
+class _OptimizerSnapshot:
+    """What CheckpointStager.optimizer_snapshot() returns, for that stager's stage()."""
+
+    def __init__(self, stager, model, optimizer, options):
+        self.stager, self.model, self.optimizer, self.options = stager, model, optimizer, options
+
+    def __reduce__(self):
+        raise TypeError(
+            "what CheckpointStager.optimizer_snapshot() returns is staged only by its "
+            "CheckpointStager: pass the state dict to dcp.async_save(..., async_stager=stager)"
+        )
+
+
+def _wait_for_snapshot(stager_ref, optimizer, args, kwargs):  # pylint: disable=unused-argument
+    """Step pre-hook of optimizer_snapshot(): the step's work waits on the GPU for the copies
+    of the stager's last snapshot while they are not done."""
+    stager = stager_ref()
+    copied = (
+        stager._snapshot_event if stager is not None else None
+    )  # pylint: disable=protected-access
+    if copied is not None:
+        device, event = copied
+        torch.cuda.current_stream(device).wait_event(event)
+
+
+def _widen(buffer, dtype):
+    """Convert in place the `dtype` values copied into the end of the FP32 `buffer` into the
+    FP32 values of all of it, front to back: each pass writes only bytes before the first
+    value not yet read, and reads none that it writes, so a pass is one copy (parallel in
+    PyTorch's intra-op threads)."""
+    flat = buffer.view(-1)
+    n, size = flat.numel(), flat.element_size()
+    width = torch.empty((), dtype=dtype).element_size()
+    assert width < size, (dtype, buffer.dtype)
+    raw = flat.view(torch.uint8)[(size - width) * n :].view(dtype)
+    done = 0
+    while n - done > 2**16:
+        end = ((size - width) * n + width * done) // size
+        flat[done:end].copy_(raw[done:end])
+        done = end
+    flat[done:].copy_(raw[done:].clone())  # the last values overlap what they become
+
+
+def _empty_host_cache():
+    """Free the pinned memory that PyTorch's caching host allocator keeps, where it can."""
+    accelerator = getattr(torch, "accelerator", None)
+    empty = getattr(accelerator, "empty_host_cache", None)  # torch >= 2.13
+    if empty is None:
+        empty = getattr(torch._C, "_host_emptyCache", None)  # pylint: disable=protected-access
+    if empty is not None:
+        empty()

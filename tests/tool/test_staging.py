@@ -3,6 +3,8 @@ and DCP on disk, are in tests/staging/). Where the stager's logic does not need 
 stand-in treats marked CPU tensors as the GPU's: it copies them into buffers as the stager
 copies CUDA tensors into pinned ones."""
 
+import copy
+import pickle
 import subprocess
 import sys
 
@@ -16,7 +18,9 @@ pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
 
 # pylint: disable=wrong-import-position
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.state_dict import StateDictOptions
 
+from te_fusedadam_offload import staging
 from te_fusedadam_offload.staging import CheckpointStager
 
 sys.path.insert(0, str(REPO / "tests" / "staging"))
@@ -59,12 +63,7 @@ def test_without_torch_the_import_says_what_is_missing():
     assert result.returncode == 1
     last = result.stderr.strip().splitlines()[-1]
     assert last.startswith("ImportError: te_fusedadam_offload.staging needs PyTorch"), last
-    assert "pip install 'te-fusedadam-offload[staging]'" in last
-
-
-class _Done:
-    def synchronize(self):
-        pass
+    assert "pip install '<its checkout>[staging]'" in last
 
 
 class StandIn(CheckpointStager):
@@ -74,13 +73,12 @@ class StandIn(CheckpointStager):
     def _copied(self, tensor, path):
         return getattr(tensor, "on_gpu", False)
 
-    def _allocate(self, tensor):
-        return torch.empty(tensor.shape, dtype=tensor.dtype)
+    def _allocate(self, shape, dtype):
+        return torch.empty(shape, dtype=dtype)
 
-    def _enqueue(self, copies):
+    def _enqueue(self, copies, work):
         for _, dst, src in copies:
             dst.copy_(src)
-        return _Done()
 
 
 def _model(n=1 << 16):
@@ -173,4 +171,53 @@ def test_a_failed_upload_kept_by_the_caller_does_not_hold_up_the_next_checkpoint
     upload.result()
     assert torch.equal(_load(tmp_path / "ok", weight), weight)
     assert stager.overlapping_stagings == 1  # `failed` is still referenced here
+    stager.close()
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float8_e4m3fn])
+@pytest.mark.parametrize("n", [1, 3, 2**16, 2**16 + 1, 3 * 2**18 + 5])
+def test_widen_in_place_is_bitwise_the_conversion(dtype, n):
+    """The values copied into the end of an FP32 buffer, widened in place, are bitwise what
+    converting them gives, for sizes below, at and above the pass threshold."""
+    values = torch.randn(n).to(dtype)
+    buffer = torch.full((n,), float("nan"))
+    raw = buffer.view(torch.uint8)[buffer.nbytes - values.nbytes :].view(dtype)
+    raw.copy_(values)
+    staging._widen(buffer, dtype)  # pylint: disable=protected-access
+    assert torch.equal(buffer.view(torch.int32), values.float().view(torch.int32))
+
+
+class FusedAdamLike(torch.optim.SGD):
+    """What the snapshot asks of TE's FusedAdam before it stages anything."""
+
+    def get_unscaled_state(self, param, state_name, skip_unscale=False):
+        raise AssertionError("not called before stage()")
+
+
+class FusedAdamWithItsOwnStateDict(FusedAdamLike):
+    def state_dict(self):
+        return dict(super().state_dict(), extra=1)
+
+
+def test_an_optimizer_snapshot_refuses_to_be_copied_or_misconfigured():
+    """The snapshot is for its stager's stage(): pickling or deep-copying it (as dcp.save and
+    other stagers do with values they do not know) raises; so do full_state_dict, an
+    optimizer other than TE's FusedAdam, and a subclass whose state_dict() the snapshot would
+    not follow."""
+    stager = CheckpointStager()
+    params = [torch.nn.Parameter(torch.zeros(2))]
+    model = torch.nn.Linear(2, 2)
+    snapshot = stager.optimizer_snapshot(model, FusedAdamLike(params, lr=0.1))
+    with pytest.raises(TypeError, match="staged only by its CheckpointStager"):
+        pickle.dumps(snapshot)
+    with pytest.raises(TypeError, match="staged only by its CheckpointStager"):
+        copy.deepcopy({"optim": snapshot})
+    with pytest.raises(ValueError, match="full_state_dict"):
+        stager.optimizer_snapshot(
+            model, FusedAdamLike(params, lr=0.1), options=StateDictOptions(full_state_dict=True)
+        )
+    with pytest.raises(TypeError, match="takes a TE FusedAdam, got SGD"):
+        stager.optimizer_snapshot(model, torch.optim.SGD(params, lr=0.1))
+    with pytest.raises(TypeError, match="FusedAdamWithItsOwnStateDict overrides state_dict"):
+        stager.optimizer_snapshot(model, FusedAdamWithItsOwnStateDict(params, lr=0.1))
     stager.close()
