@@ -1,10 +1,8 @@
-"""GPU tests of te_fusedadam_offload.staging.CheckpointStager with real TE, FSDP2 and DCP on disk.
+"""GPU tests of te_fusedadam_offload.staging.CheckpointStager with real TE, FSDP2 and DCP on disk,
+and of torch_checkpointing's CheckpointManager with the export (skipped where it is not
+installed).
 
   torchrun --nproc_per_node=2 -m pytest -q tests/staging   # any number of GPUs; plain pytest: 1
-
-Not yet run on a GPU with the stager as it is now: the overlap test (a slow storage writer,
-checkpoints that start before the previous upload is done) was written without one, and the
-others last ran on one H200 before the stager's buffers were made to wait for their uploads.
 
 The series must be applied to the TE that is imported (FusedAdam(state_dict_cpu_offload=True)).
 """
@@ -39,6 +37,7 @@ except ImportError:  # PyTorch < 2.6
 
 import transformer_engine.pytorch as te
 
+from te_fusedadam_offload import staging
 from te_fusedadam_offload.staging import CheckpointStager
 
 from slow_storage import SlowWriter  # beside this file
@@ -75,7 +74,7 @@ def ckpt_root():
         os.rmdir(holder[0])
 
 
-def _build(seed=0):
+def _build(seed=0, moments=torch.bfloat16, **kwargs):
     torch.manual_seed(seed)
     model = torch.nn.Sequential(
         *[torch.nn.Linear(WIDTH, WIDTH, bias=False) for _ in range(LAYERS)]
@@ -87,9 +86,10 @@ def _build(seed=0):
         model.parameters(),
         lr=1e-3,
         master_weights=True,
-        exp_avg_dtype=torch.bfloat16,
-        exp_avg_sq_dtype=torch.bfloat16,
+        exp_avg_dtype=moments,
+        exp_avg_sq_dtype=moments,
         state_dict_cpu_offload=True,
+        **kwargs,
     )
     return model, optimizer
 
@@ -343,3 +343,225 @@ def test_stager_does_not_keep_the_state_dict_after_staging():
         gc.collect()
         assert probe() is None, async_staging
         stager.close()
+
+
+# The optimizer snapshot: stager.optimizer_snapshot() in place of the export.
+
+SNAPSHOTS = {
+    "bf16": {"moments": torch.bfloat16},
+    "fp16": {"moments": torch.float16},
+    "fp8": {"moments": torch.uint8},
+    "fp32": {"moments": torch.float32},
+    "remainders": {"moments": torch.bfloat16, "store_param_remainders": True},
+}
+
+
+def _flat(state, prefix=()):
+    """{path: value} of a nested state dict (tensors as they are)."""
+    out = {}
+    for key, value in state.items():
+        if isinstance(value, dict):
+            out.update(_flat(value, (*prefix, key)))
+        else:
+            out[(*prefix, key)] = value
+    return out
+
+
+@pytest.mark.parametrize("config", SNAPSHOTS, ids=list(SNAPSHOTS))
+@pytest.mark.parametrize("async_staging", [False, True], ids=["sync", "async"])
+def test_optimizer_snapshot_is_bitwise_the_export(config, async_staging):
+    """The staged snapshot is FusedAdam's export (state_dict_cpu_offload=True) bitwise: the
+    same keys, dtypes, values, DTensor specs and strides, in pinned CPU buffers that the next
+    snapshot reuses; GPU memory: none for BF16/FP32/int16 states, one state in FP32 for FP16
+    and FP8."""
+    model, optimizer = _build(**SNAPSHOTS[config])
+    _step(model, optimizer, 0)
+    _step(model, optimizer, 1)  # FP16/FP8 scales other than their first
+    expected = _flat(get_optimizer_state_dict(model, optimizer, options=OFFLOAD))
+    stager = CheckpointStager(async_staging=async_staging)
+    pointers = []
+    for _ in range(2):
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        before = torch.cuda.memory_allocated()
+        staged = stager.stage({"optim": stager.optimizer_snapshot(model, optimizer)})
+        staged = staged.result() if async_staging else staged
+        torch.cuda.synchronize()
+        peak = torch.cuda.max_memory_allocated() - before
+        _same_export(expected, _flat(staged["optim"]))
+        pointers.append(sorted(t.data_ptr() for t, _ in stager._cache.values()))
+        del staged
+        gc.collect()
+    largest = max(p._local_tensor.numel() for p in model.parameters())
+    if config in ("fp16", "fp8"):
+        assert 0 < peak <= 4 * largest, peak
+    else:
+        assert peak == 0, peak
+    assert pointers[0] == pointers[1]  # the buffers are reused
+    stager.close()
+    assert stager.cached_bytes() == 0
+
+
+def _same_export(expected, got):
+    """`got` is the export `expected` bitwise, in pinned CPU tensors."""
+    assert got.keys() == expected.keys()
+    for key, value in expected.items():
+        if not isinstance(value, torch.Tensor):
+            assert got[key] == value, key
+            continue
+        copy = got[key]
+        assert type(copy) is type(value) and copy.dtype == value.dtype, key
+        assert copy.shape == value.shape and copy.stride() == value.stride(), key
+        if isinstance(value, DTensor):
+            assert copy._spec == value._spec, key
+            copy, value = copy._local_tensor, value._local_tensor
+        assert copy.device.type == "cpu" and copy.is_pinned(), key
+        assert torch.equal(copy, value), key
+
+
+def _save_snapshot(model, optimizer, stager, path, group):
+    state = {
+        "model": get_model_state_dict(model),
+        "optim": stager.optimizer_snapshot(model, optimizer),
+    }
+    return dcp.async_save(state, checkpoint_id=path, process_group=group, async_stager=stager)
+
+
+@pytest.mark.parametrize("async_staging", [False, True], ids=["sync", "async"])
+def test_optimizer_snapshot_checkpoints_load_back_and_resume_bitwise(ckpt_root, async_staging):
+    """Four checkpoints with optimizer snapshots, each iteration's optimizer.step() called
+    right after async_save returned (forward and backward between), while the stager's side
+    stream is held back (5e8 GPU cycles, a quarter of a second or so; from the second
+    checkpoint on, once the stream exists): with async staging, only the step pre-hook keeps
+    the step from overwriting the states before they are copied. Each checkpoint loads back
+    bitwise (into a FusedAdam with state_dict_cpu_offload=True, through the usual template)
+    and resumes bitwise; close() removes the hook."""
+    group = dist.new_group(backend="gloo")
+    model, optimizer = _build()
+    stager = CheckpointStager(async_staging=async_staging)
+    saved, after, uploads = [], [], []
+    for n in range(4):
+        _step(model, optimizer, 10 * n)
+        saved.append(_snapshot(model, optimizer))
+        if stager._stream is not None:  # its copies start late
+            with torch.cuda.stream(stager._stream):
+                torch.cuda._sleep(5 * 10**8)
+        result = _save_snapshot(model, optimizer, stager, os.path.join(ckpt_root, f"c{n}"), group)
+        _step(model, optimizer, 10 * n + 1)  # not waiting for the staging
+        after.append(_snapshot(model, optimizer))
+        uploads.append(result.upload_completion if async_staging else result)
+        uploads[-1].result()
+    stager.close()
+    assert len(stager._hooks) == 0
+    for n in range(4):
+        loaded_model, loaded_optimizer = _load(os.path.join(ckpt_root, f"c{n}"))
+        _same(saved[n], _snapshot(loaded_model, loaded_optimizer))
+        _step(loaded_model, loaded_optimizer, 10 * n + 1)
+        _same(after[n], _snapshot(loaded_model, loaded_optimizer))
+
+
+def test_a_failed_snapshot_conversion_saves_nothing_and_the_next_checkpoint_is_whole(
+    ckpt_root, monkeypatch
+):
+    """A fault while the BF16 states are widened: the upload raises, no checkpoint is there to
+    be loaded, training goes on, and the next checkpoint loads back bitwise."""
+    group = dist.new_group(backend="gloo")
+    model, optimizer = _build()
+    stager = CheckpointStager(async_staging=True)
+    _step(model, optimizer, 0)
+
+    def fault(buffer, dtype):
+        raise RuntimeError("injected")
+
+    monkeypatch.setattr(staging, "_widen", fault)
+    result = _save_snapshot(model, optimizer, stager, os.path.join(ckpt_root, "bad"), group)
+    # Not staging_completion: torch 2.11's async_save sets it to None when the staging future
+    # has already failed as it returns (the fault comes at once here).
+    with pytest.raises(RuntimeError, match="injected"):
+        result.upload_completion.result()
+    del result
+    monkeypatch.undo()
+    template = {"optim": get_optimizer_state_dict(model, optimizer, options=OFFLOAD)}
+    with pytest.raises(dcp.CheckpointException):  # a BaseException: no metadata was written
+        dcp.load(template, checkpoint_id=os.path.join(ckpt_root, "bad"))
+    _step(model, optimizer, 1)
+    saved = _snapshot(model, optimizer)
+    result = _save_snapshot(model, optimizer, stager, os.path.join(ckpt_root, "good"), group)
+    result.upload_completion.result()
+    stager.close()
+    loaded_model, loaded_optimizer = _load(os.path.join(ckpt_root, "good"))
+    _same(saved, _snapshot(loaded_model, loaded_optimizer))
+
+
+def test_an_optimizer_snapshot_is_staged_only_by_its_stager(ckpt_root):
+    """Given to dcp.save without the stager (or to another stager), the snapshot raises
+    instead of saving something that is not the optimizer's states."""
+    model, optimizer = _build()
+    stager = CheckpointStager()
+    with pytest.raises(RuntimeError, match="no states yet"):
+        stager.stage({"optim": stager.optimizer_snapshot(model, optimizer)})
+    _step(model, optimizer, 0)
+    # DCP reports the TypeError of pickling it inside its CheckpointException (a BaseException).
+    with pytest.raises(dcp.CheckpointException, match="staged only by its CheckpointStager"):
+        dcp.save({"optim": stager.optimizer_snapshot(model, optimizer)}, checkpoint_id=ckpt_root)
+    other = CheckpointStager()
+    with pytest.raises(TypeError, match="another CheckpointStager"):
+        other.stage({"optim": stager.optimizer_snapshot(model, optimizer)})
+    with pytest.raises(ValueError, match="full_state_dict"):
+        stager.optimizer_snapshot(model, optimizer, options=StateDictOptions(full_state_dict=True))
+    with pytest.raises(TypeError, match="TE FusedAdam"):
+        stager.optimizer_snapshot(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    other.close()
+    stager.close()
+
+
+def test_torch_checkpointing_saves_the_export_without_copy_and_resumes_bitwise(ckpt_root):
+    """torch_checkpointing's CheckpointManager (its asynchronous saver) with the export as an
+    item that is not copied (ItemSpec(requires_copy=False)) and the model's GPU state staged by
+    it: two checkpoints, optimizer.step() under manager.lock() right after each save; each
+    loads back bitwise through the usual templates and resumes bitwise."""
+    tc = pytest.importorskip("torch_checkpointing")
+    model, optimizer = _build()
+    from torch_checkpointing.storage.filesystem import (  # pylint: disable=import-outside-toplevel
+        LocalFileSystemStorageConfig,
+    )
+
+    items = {"model": tc.ItemSpec(), "optim": tc.ItemSpec(requires_copy=False)}
+    # Without O_DIRECT: on the H200 machine's /tmp it opened, then torch.save's unaligned
+    # writes failed with EINVAL (torch_checkpointing 0.1.1).
+    storage = LocalFileSystemStorageConfig(use_direct_io=False)
+    manager = tc.CheckpointManager(tc.CheckpointManager.Config(items=items, storage_config=storage))
+    saved, after = [], []
+    try:
+        for n in range(2):
+            _step(model, optimizer, 10 * n)
+            saved.append(_snapshot(model, optimizer))
+            state = {
+                "model": get_model_state_dict(model),
+                "optim": get_optimizer_state_dict(model, optimizer, options=OFFLOAD),
+            }
+            write = manager.save(os.path.join(ckpt_root, f"tc{n}"), state)
+            del state
+            _forward_backward(model, 10 * n + 1)
+            with manager.lock():
+                optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+            after.append(_snapshot(model, optimizer))
+            write.result()
+        for n in range(2):
+            loaded_model, loaded_optimizer = _build(seed=99)
+            _step(loaded_model, loaded_optimizer, -1)
+            into = {
+                "model": get_model_state_dict(loaded_model),
+                "optim": get_optimizer_state_dict(loaded_model, loaded_optimizer, options=OFFLOAD),
+            }
+            loaded = manager.load(os.path.join(ckpt_root, f"tc{n}"), into=into)
+            set_model_state_dict(loaded_model, loaded["model"])
+            set_optimizer_state_dict(
+                loaded_model, loaded_optimizer, loaded["optim"], options=OFFLOAD
+            )
+            _same(saved[n], _snapshot(loaded_model, loaded_optimizer))
+            _step(loaded_model, loaded_optimizer, 10 * n + 1)
+            _same(after[n], _snapshot(loaded_model, loaded_optimizer))
+    finally:
+        manager.close()
