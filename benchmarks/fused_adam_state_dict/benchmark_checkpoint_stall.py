@@ -25,6 +25,17 @@ is waited for (not counted), so that each checkpoint starts alike. Variants:
                    tensors into its pinned buffers, the export's CPU tensors passed through
   te_stager_async  the same with async_staging=True: the model copies overlap forward and
                    backward; staging_completion before optimizer.step()
+  te_snapshot      CheckpointStager(async_staging=True) with stager.optimizer_snapshot() in
+                   place of the export: the stager copies the optimizer states into pinned
+                   buffers it keeps, beside forward and backward; optimizer.step() waits on
+                   the GPU for the copies (no wait for staging_completion before it). Its
+                   export_optim_s is only the call that makes the snapshot object: the
+                   copies are enqueued in async_save (async_save_s)
+  torch_checkpointing  torch_checkpointing's CheckpointManager (asynchronous saver, its own
+                   staging of the model; one manager, reused; no O_DIRECT; a path per
+                   checkpoint), the export as an item with ItemSpec(requires_copy=False);
+                   optimizer.step() once manager.lock() is free (as `with manager.lock():
+                   optimizer.step()` waits); not with --write-delay-s or --overlap
 
 A slow storage and checkpoints that overlap: --write-delay-s S makes each upload wait S
 seconds before it writes (tests/staging/slow_storage.py's SlowWriter, as a busy or remote file
@@ -42,7 +53,8 @@ returned), stall_s, and where the time went: export_optim_s, export_model_s, asy
 wait_staging_s (in the next iteration, before step()), uploaded_s (from the start until the
 upload is done); host memory of the rank (rss_gib: after the upload, with the state dict
 dropped, or with --overlap after the iteration; rss_peak_gib: the process's peak so far), the
-stager's pinned buffers (pinned_gib: those it keeps for the next checkpoint) and, for the
+stager's pinned buffers (pinned_gib: those it keeps for the next checkpoint; null for the
+variants without a CheckpointStager) and, for the
 te_stager variants, overlapping_stagings (so far) and uploads_pending (uploads not done when
 this checkpoint started). With --overlap the rows are written once every upload is done.
 """
@@ -78,7 +90,14 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tests" / "staging"
 from slow_storage import SlowWriter  # pylint: disable=wrong-import-position
 
 OFFLOAD = StateDictOptions(cpu_offload=True)
-VARIANTS = ("async_save", "default_stager", "te_stager", "te_stager_async")
+VARIANTS = (
+    "async_save",
+    "default_stager",
+    "te_stager",
+    "te_stager_async",
+    "te_snapshot",
+    "torch_checkpointing",
+)
 
 
 def _rss_gib():
@@ -133,10 +152,13 @@ def checkpoint(variant, trainer, state_stager, group, path, args):
     torch.cuda.synchronize()
     dist.barrier()
     start = time.perf_counter()
-    optim = get_optimizer_state_dict(model, optimizer, options=OFFLOAD)
+    if variant == "te_snapshot":
+        optim = state_stager.optimizer_snapshot(model, optimizer)  # taken in async_save
+    else:
+        optim = get_optimizer_state_dict(model, optimizer, options=OFFLOAD)
     row["export_optim_s"] = time.perf_counter() - start
     mark = time.perf_counter()
-    on_gpu = variant in ("default_stager", "te_stager", "te_stager_async")
+    on_gpu = variant != "async_save"
     state = {
         "model": get_model_state_dict(model, options=StateDictOptions() if on_gpu else OFFLOAD),
         "optim": optim,
@@ -161,13 +183,21 @@ def checkpoint(variant, trainer, state_stager, group, path, args):
     where = {"checkpoint_id": path}
     if args.write_delay_s:
         where = {"storage_writer": SlowWriter(path, args.write_delay_s)}
-    result = dcp.async_save(state, process_group=group, async_stager=stager, **where)
+    if variant == "torch_checkpointing":
+        result = stager.save(path, state)  # the manager; its write future
+    else:
+        result = dcp.async_save(state, process_group=group, async_stager=stager, **where)
     row["async_save_s"] = time.perf_counter() - mark
     row["returned_s"] = time.perf_counter() - start
     del state, optim
     staging = getattr(result, "staging_completion", None)
     upload = getattr(result, "upload_completion", result)
-    row["wait_staging_s"] = trainer.iteration(staging.result if staging is not None else None)
+    before_step = staging.result if staging is not None else None
+    if variant == "te_snapshot":
+        before_step = None  # optimizer.step() waits on the GPU for the snapshot's copies
+    elif variant == "torch_checkpointing":
+        before_step = lambda: _wait_for_lock(stager)  # pylint: disable=unnecessary-lambda
+    row["wait_staging_s"] = trainer.iteration(before_step)
     row["total_s"] = time.perf_counter() - start
     uploaded = threading.Event()  # set once row["uploaded_s"] is
 
@@ -189,6 +219,33 @@ def checkpoint(variant, trainer, state_stager, group, path, args):
     return row, upload, uploaded
 
 
+def _wait_for_lock(manager):
+    """What `with manager.lock(): optimizer.step()` waits for before the step."""
+    with manager.lock():
+        pass
+
+
+def _stager(variant):
+    """The stager (or torch_checkpointing's manager) a variant reuses, or None."""
+    if variant == "torch_checkpointing":
+        from torch_checkpointing import (  # pylint: disable=import-outside-toplevel
+            CheckpointManager,
+            ItemSpec,
+        )
+
+        from torch_checkpointing.storage.filesystem import (  # pylint: disable=import-outside-toplevel
+            LocalFileSystemStorageConfig,
+        )
+
+        items = {"model": ItemSpec(), "optim": ItemSpec(requires_copy=False)}
+        # Without O_DIRECT: unaligned writes failed with EINVAL on the H200 machine's /dev/shm.
+        storage = LocalFileSystemStorageConfig(use_direct_io=False)
+        return CheckpointManager(CheckpointManager.Config(items=items, storage_config=storage))
+    if variant.startswith("te_"):
+        return CheckpointStager(async_staging=variant != "te_stager")
+    return None
+
+
 def run(args, base, offload):
     """Every variant and iteration length for one mode."""
     model, optimizer, width = _build(args, offload)
@@ -198,9 +255,7 @@ def run(args, base, offload):
         for length in args.iterations:
             trainer = Trainer(model, optimizer, width, *lengths[length])
             trainer.baseline(args.warmup)
-            stager = None
-            if variant.startswith("te_stager"):
-                stager = CheckpointStager(async_staging=variant == "te_stager_async")
+            stager = _stager(variant)
             path = _checkpoint_dir(args, f"stall-{variant}")
             pending = []  # (row, this rank's times, (upload, event)) not yet written
             for n in range(args.checkpoints):
@@ -215,14 +270,17 @@ def run(args, base, offload):
                     write_delay_s=args.write_delay_s,
                     iteration_s=round(iteration_s, 4),
                 )
-                if stager is not None:
+                if isinstance(stager, CheckpointStager):
                     row["uploads_pending"] = sum(not u.done() for _, _, (u, _) in pending)
                 if args.overlap:  # a group per upload: overlapping uploads run at once
                     group = dist.new_group(backend="gloo")
-                checkpoint_path = f"{path}-{n}" if args.overlap else path
+                # torch_checkpointing does not overwrite a checkpoint: one path per checkpoint.
+                fresh = args.overlap or variant == "torch_checkpointing"
+                checkpoint_path = f"{path}-{n}" if fresh else path
                 times, *upload = checkpoint(variant, trainer, stager, group, checkpoint_path, args)
-                row["pinned_gib"] = round(stager.cached_bytes() / GiB, 3) if stager else 0.0
-                if stager is not None:
+                te_stager = isinstance(stager, CheckpointStager)
+                row["pinned_gib"] = round(stager.cached_bytes() / GiB, 3) if te_stager else None
+                if te_stager:
                     row["overlapping_stagings"] = stager.overlapping_stagings
                 pending.append((row, times, upload))
                 if not args.overlap:
@@ -230,6 +288,9 @@ def run(args, base, offload):
             _write_rows(args, pending)
             if stager is not None:
                 stager.close()
+                gc.collect()
+                if dist.get_rank() == 0:  # the host memory given back by close()
+                    print(f"# {variant} {length}: closed, rss_gib {_rss_gib()[0]:.3f}", flush=True)
             if dist.get_rank() == 0:
                 shutil.rmtree(path, ignore_errors=True)
                 for n in range(args.checkpoints):
@@ -278,6 +339,8 @@ def main():
     )
     parser.add_argument("--out", help="append the JSON lines to this file")
     args = parser.parse_args()
+    if "torch_checkpointing" in args.variants and (args.write_delay_s or args.overlap):
+        parser.error("torch_checkpointing runs without --write-delay-s and --overlap")
     torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
     dist.init_process_group(backend="cpu:gloo,cuda:nccl")
     base = {

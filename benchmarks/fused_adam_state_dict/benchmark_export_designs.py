@@ -22,6 +22,12 @@ QKV, projection, MLP, biases and layer norms). Designs:
                    (fused_adam._OFFLOAD_THREADS = W): no CUDA calls in the threads
   pinned_out       the CPU tensors allocated pinned (PyTorch's caching host allocator, so kept
                    between exports) and filled by the copy engine: holds host memory
+  stager_snapshot  te_fusedadam_offload.staging.CheckpointStager(async_staging=True), one for
+                   all exports, staging stager.optimizer_snapshot(): the states' own bytes
+                   copied into pinned buffers it keeps (BF16 widened in place on CPU; FP16/FP8
+                   unscaled on the GPU by get_unscaled_state): holds host memory until
+                   close(); copies_s is until the GPU copies are done (what step() waits for),
+                   stager_pinned_bytes what the stager keeps
 Each design exports --exports times in a row (--slow-exports for default and loop), the
 previous state dict dropped first; index 0 is the first export, the others the steady state.
 Rows (JSON lines): design, moments, shape, export (first / steady), index, seconds, gb_per_s
@@ -44,6 +50,8 @@ import torch
 
 import transformer_engine
 from transformer_engine.pytorch.optimizers import fused_adam
+
+from te_fusedadam_offload.staging import CheckpointStager
 
 # Run as a script, this folder is on sys.path.
 from benchmark_state_dict_offload import exported_bytes, stepped_optimizer, to_cpu
@@ -197,6 +205,17 @@ def export_pipeline_e42bac8(opt):
     return sd
 
 
+def export_stager_snapshot(opt, stager, timing):
+    """The stager's snapshot of the optimizer, complete (copied and widened)."""
+    model = torch.nn.ParameterList(p for g in opt.param_groups for p in g["params"])
+    start = time.perf_counter()
+    future = stager.stage({"optim": stager.optimizer_snapshot(model, opt)})
+    torch.cuda.synchronize()
+    timing["copies_s"] = round(time.perf_counter() - start, 4)
+    sd = future.result()["optim"]  # keyed by names "0", "1", ... of the ParameterList
+    return {"state": {int(k): v for k, v in sd["state"].items()}, "param_groups": []}
+
+
 def export_threads(opt, threads):
     """PR 1 as patched into this TE, with `threads` CPU threads."""
     fused_adam._OFFLOAD_THREADS = threads
@@ -279,7 +298,13 @@ def main():
             opt = build(shapes, moments)
             reference = None
             for design in args.designs:
-                if design == "default":
+                timing, stager = {}, None
+                if design == "stager_snapshot":
+                    stager = CheckpointStager(async_staging=True)
+                    export = lambda: export_stager_snapshot(
+                        opt, stager, timing
+                    )  # pylint: disable=unnecessary-lambda-assignment
+                elif design == "default":
                     export = lambda: to_cpu(
                         opt.state_dict()
                     )  # pylint: disable=unnecessary-lambda-assignment
@@ -342,12 +367,25 @@ def main():
                             else (PipelineE42bac8().workers if design == "pipeline_e42bac8" else 0)
                         ),
                         same_as_first_design=same,
+                        **timing,
                     )
+                    if stager is not None:  # torch 2.11's host stats have no reserved bytes
+                        row["stager_pinned_bytes"] = stager.cached_bytes()
                     rows.append(row)
                     print(json.dumps(row), flush=True)
                     if out:
                         out.write(json.dumps(row) + "\n")
                         out.flush()
+                if stager is not None:  # the documented release: close()
+                    stager.close()
+                    gc.collect()
+                    released = {"design": design, "moments": moments, "shape": shape}
+                    released.update(
+                        closed=True, rss_gib=_rss_gib(), pinned_bytes=_pinned_reserved()
+                    )
+                    print(json.dumps(released), flush=True)
+                    if out:
+                        out.write(json.dumps(dict(env, **released)) + "\n")
                 _empty_host_cache()
             del opt
             gc.collect()
