@@ -150,8 +150,7 @@ class CheckpointStager(AsyncStager):
                 done = Future()
                 done.set_result(staged)
                 return done
-            event = torch.cuda.Event()
-            event.record(self._stream)
+            event = self._stream.record_event()
             if work.snapshot:  # the optimizer's step() waits (on the GPU) for these copies
                 with self._lock_event:
                     self._snapshot_event = (work.device, event)
@@ -242,6 +241,11 @@ class CheckpointStager(AsyncStager):
     def _side_stream(self, device, path, work):
         """The side stream, once per staging made to wait for the work already enqueued on
         the current stream (which may still be writing the sources)."""
+        if device.type != "cuda":
+            raise RuntimeError(
+                f"CheckpointStager copies from CUDA devices; {'/'.join(map(str, path))} is on "
+                f"{device}"
+            )
         if work.device is None:
             if self._stream is None or self._stream.device != device:
                 self._stream = torch.cuda.Stream(device=device)
@@ -377,11 +381,6 @@ class CheckpointStager(AsyncStager):
         """A pinned buffer (a view of it, in a DTensor for a DTensor `param`) that holds
         FusedAdam's export of the state `name` of `param` once the side stream's copies are
         done (BF16 states: once also widened)."""
-        if param.device.type != "cuda":
-            raise RuntimeError(
-                "CheckpointStager.optimizer_snapshot() copies the states of CUDA parameters; "
-                f"{'/'.join(map(str, path))} is on {param.device}"
-            )
         stream = self._side_stream(param.device, path, work)
         bf16 = optimizer.name_to_dtype_map[name] == torch.bfloat16
         with torch.cuda.stream(stream):

@@ -3,10 +3,13 @@ and DCP on disk, are in tests/staging/). Where the stager's logic does not need 
 stand-in treats marked CPU tensors as the GPU's: it copies them into buffers as the stager
 copies CUDA tensors into pinned ones."""
 
+import contextlib
 import copy
+import gc
 import pickle
 import subprocess
 import sys
+import weakref
 
 import pytest
 from support import REPO
@@ -18,7 +21,7 @@ pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
 
 # pylint: disable=wrong-import-position
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.state_dict import StateDictOptions
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
 
 from te_fusedadam_offload import staging
 from te_fusedadam_offload.staging import CheckpointStager
@@ -221,3 +224,134 @@ def test_an_optimizer_snapshot_refuses_to_be_copied_or_misconfigured():
     with pytest.raises(TypeError, match="FusedAdamWithItsOwnStateDict overrides state_dict"):
         stager.optimizer_snapshot(model, FusedAdamWithItsOwnStateDict(params, lr=0.1))
     stager.close()
+
+
+class _Copied:
+    """Stands for the CUDA event of copies that are done."""
+
+    def synchronize(self):
+        pass
+
+
+class _SideStream:
+    """Stands for the side stream: its copies are done at once (they run on CPU here)."""
+
+    def record_event(self):
+        return _Copied()
+
+
+class SnapshotStandIn(CheckpointStager):
+    """CheckpointStager whose snapshot copies CPU states as it copies CUDA ones: into plain
+    buffers, on a stand-in side stream (the real one: tests/staging on a GPU)."""
+
+    def _allocate(self, shape, dtype):
+        return torch.empty(shape, dtype=dtype)
+
+    def _side_stream(self, device, path, work):
+        work.device = device
+        self._stream = _SideStream()
+        return self._stream
+
+
+class StandInFusedAdam(torch.optim.Optimizer):
+    """The parts of TE's FusedAdam the snapshot uses, on CPU: BF16 moments, an FP32 master
+    copy, get_unscaled_state() and name_to_dtype_map; state_dict() exports FP32 CPU tensors,
+    as FusedAdam's does."""
+
+    name_to_dtype_map = {
+        "exp_avg": torch.bfloat16,
+        "exp_avg_sq": torch.bfloat16,
+        "master_param": torch.float32,
+    }
+
+    def __init__(self, params):
+        super().__init__(params, {"lr": 0.1, "betas": (0.9, 0.99)})
+        for group in self.param_groups:
+            group["step"] = 3
+            for p in group["params"]:
+                self.state[p] = {
+                    "exp_avg": torch.randn(p.shape).bfloat16(),
+                    "exp_avg_sq": torch.rand(p.shape).bfloat16(),
+                    "master_param": p.detach().float().clone(),
+                }
+
+    def step(self, closure=None):  # pylint: disable=unused-argument
+        for states in self.state.values():
+            for state in states.values():
+                state.add_(1)
+
+    def get_unscaled_state(self, param, state_name, skip_unscale=False):
+        state = self.state[param][state_name]
+        return state if skip_unscale or state.dtype != torch.bfloat16 else state.float()
+
+    def state_dict(self):
+        exported = super().state_dict()  # its "state" holds the optimizer's own dicts
+        exported["state"] = {
+            k: {name: t.float() for name, t in v.items()} for k, v in exported["state"].items()
+        }
+        return exported
+
+
+def _same_export(got, expected):
+    """`got` has the keys, param groups and state values (bitwise, dtypes) of `expected`,
+    nested or flattened."""
+    assert got.keys() == expected.keys()
+    if "state" in expected:  # nested
+        assert got["param_groups"] == expected["param_groups"]
+        got, expected = _flat(got["state"]), _flat(expected["state"])
+        assert got.keys() == expected.keys()
+    for key, value in expected.items():
+        if isinstance(value, torch.Tensor):
+            assert got[key].dtype == value.dtype and torch.equal(got[key], value), key
+        else:
+            assert got[key] == value, key
+
+
+def _flat(state):
+    return {(fqn, name): t for fqn, states in state.items() for name, t in states.items()}
+
+
+@pytest.mark.parametrize("flatten", [False, True], ids=["nested", "flat"])
+@pytest.mark.parametrize("cpu_offload", [False, True], ids=["on_device", "cpu_offload"])
+def test_optimizer_snapshot_is_the_export_through_dcp_with_every_option(
+    monkeypatch, flatten, cpu_offload
+):
+    """Through DCP's get_optimizer_state_dict with each option, the staged snapshot has the
+    export's keys, param groups and values bitwise (BF16 states widened), in buffers that the
+    next snapshot reuses; the step pre-hook is removed by close() and keeps neither the
+    optimizer nor the stager alive."""
+    monkeypatch.setattr(torch.cuda, "stream", lambda stream: contextlib.nullcontext())
+    monkeypatch.setattr(torch.Tensor, "record_stream", lambda self, stream: None)
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(64, 32), torch.nn.Linear(32, 3))
+    optimizer = StandInFusedAdam(model.parameters())
+    options = StateDictOptions(flatten_optimizer_state_dict=flatten, cpu_offload=cpu_offload)
+    expected = get_optimizer_state_dict(model, optimizer, options=options)
+    stager = SnapshotStandIn()
+    pointers = []
+    for _ in range(2):
+        staged = stager.stage(
+            {"optim": stager.optimizer_snapshot(model, optimizer, options=options)}
+        )
+        _same_export(staged["optim"], expected)
+        pointers.append(sorted(b.data_ptr() for b, _ in stager._cache.values()))
+        del staged  # the buffers are free for the next snapshot
+    assert pointers[0] == pointers[1]  # reused
+    assert len(stager._hooks) == 1
+    optimizer.step()  # the hook: nothing to wait for once the copies are done
+    probe = weakref.ref(stager)
+    del stager
+    gc.collect()
+    assert probe() is None  # the optimizer's hook does not keep the stager
+    optimizer.step()
+    stager = SnapshotStandIn()
+    stager.stage({"optim": stager.optimizer_snapshot(model, optimizer)})
+    stager.close()
+    assert len(stager._hooks) == 0 and stager.cached_bytes() == 0
+    probe = weakref.ref(optimizer)
+    other = SnapshotStandIn()
+    other.stage({"optim": other.optimizer_snapshot(model, optimizer)})
+    del optimizer
+    gc.collect()
+    assert probe() is None  # the stager does not keep the optimizer
+    other.close()
