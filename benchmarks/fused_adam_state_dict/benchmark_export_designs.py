@@ -26,8 +26,10 @@ QKV, projection, MLP, biases and layer norms). Designs:
                    all exports, staging stager.optimizer_snapshot(): the states' own bytes
                    copied into pinned buffers it keeps (BF16 widened in place on CPU; FP16/FP8
                    unscaled on the GPU by get_unscaled_state): holds host memory until
-                   close(); copies_s is until the GPU copies are done (what step() waits for),
-                   stager_pinned_bytes what the stager keeps
+                   close(); copies_s is from stage() (which also maps the names) until the
+                   GPU copies are done (what step() waits for), stager_pinned_bytes what the
+                   stager keeps; after its exports, a row with closed=true: the host memory
+                   after close()
 Each design exports --exports times in a row (--slow-exports for default and loop), the
 previous state dict dropped first; index 0 is the first export, the others the steady state.
 Rows (JSON lines): design, moments, shape, export (first / steady), index, seconds, gb_per_s
