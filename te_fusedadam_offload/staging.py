@@ -294,7 +294,9 @@ class CheckpointStager(AsyncStager):
                 ``state_dict()``) that has taken a step; ``state_dict_cpu_offload`` is not
                 needed.
             options (StateDictOptions, optional): as for ``get_optimizer_state_dict``, but
-                not ``full_state_dict`` (it would gather values not copied yet).
+                not ``full_state_dict`` (it would gather values not copied yet); leave
+                ``cpu_offload`` off (the stager copies; with ``capturable=True`` it would copy
+                the param groups' GPU tensors in the training thread, waiting for its stream).
 
         Host memory: the buffers hold the optimizer part of one checkpoint (4 bytes per state
         element, int16 remainders 2, as :meth:`cached_bytes` counts them; PyTorch's pinned
@@ -350,7 +352,9 @@ class CheckpointStager(AsyncStager):
             )
         if optimizer not in self._hooks:
             hook = functools.partial(_wait_for_snapshot, weakref.ref(self))
-            self._hooks[optimizer] = optimizer.register_step_pre_hook(hook)
+            handle = optimizer.register_step_pre_hook(hook)
+            self._hooks[optimizer] = handle
+            weakref.finalize(self, handle.remove)  # a stager dropped without close()
         params = [p for g in optimizer.param_groups for p in g["params"]]
         saved = torch.optim.Optimizer.state_dict(optimizer)  # indices and param_groups
         exports = {
@@ -374,7 +378,8 @@ class CheckpointStager(AsyncStager):
                 vars(optimizer).pop("state_dict", None)
             else:
                 optimizer.state_dict = own
-        # The param groups as the rest: GPU tensors (capturable's step) copied, others copied.
+        # The param groups as the rest of a state dict: GPU tensors (capturable's step) copied
+        # into pinned buffers, CPU tensors passed through (as with the export), others copied.
         return self._walk(state_dict, path, work)
 
     def _export(self, optimizer, param, name, path, work):
@@ -471,10 +476,16 @@ def _wait_for_snapshot(stager_ref, optimizer, args, kwargs):  # pylint: disable=
     """Step pre-hook of optimizer_snapshot(): the step's work waits on the GPU for the copies
     of the stager's last snapshot while they are not done."""
     stager = stager_ref()
-    copied = (
-        stager._snapshot_event if stager is not None else None
-    )  # pylint: disable=protected-access
+    if stager is None:
+        return
+    copied = stager._snapshot_event  # pylint: disable=protected-access
     if copied is not None:
+        if torch.cuda.is_current_stream_capturing():
+            raise RuntimeError(
+                "optimizer.step() captured in a CUDA graph while the copies of a "
+                "CheckpointStager.optimizer_snapshot() are not done; wait for its "
+                "staging_completion before capturing"
+            )
         device, event = copied
         torch.cuda.current_stream(device).wait_event(event)
 

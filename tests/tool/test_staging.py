@@ -343,6 +343,7 @@ def test_optimizer_snapshot_is_the_export_through_dcp_with_every_option(
     del stager
     gc.collect()
     assert probe() is None  # the optimizer's hook does not keep the stager
+    assert not optimizer._optimizer_step_pre_hooks  # and goes with it
     optimizer.step()
     stager = SnapshotStandIn()
     stager.stage({"optim": stager.optimizer_snapshot(model, optimizer)})
