@@ -111,7 +111,6 @@ class CheckpointStager(AsyncStager):
         self._idle = threading.Event()
         self._idle.set()
         self._lock = threading.Lock()
-        self._lock_event = threading.Lock()
         self._closed = False
         # optimizer -> the handle of its step pre-hook (optimizer_snapshot()); neither keeps
         # the other alive
@@ -152,8 +151,7 @@ class CheckpointStager(AsyncStager):
                 return done
             event = self._stream.record_event()
             if work.snapshot:  # the optimizer's step() waits (on the GPU) for these copies
-                with self._lock_event:
-                    self._snapshot_event = (work.device, event)
+                self._snapshot_event = (work.device, event)
             if not self._async:
                 return self._wait_for(event, staged, work.widen)
             self._idle.clear()
@@ -174,9 +172,10 @@ class CheckpointStager(AsyncStager):
                 copied.synchronize()
                 _widen(buffer, dtype)
             event.synchronize()
-            with self._lock_event:  # the copies are done: later steps need not wait
-                if self._snapshot_event is not None and self._snapshot_event[1] is event:
-                    self._snapshot_event = None
+            # The copies are done (those of any earlier snapshot came before them on the side
+            # stream): later steps need not wait. No staging sets it meanwhile: the next one is
+            # refused until this one is idle, and a synchronous one runs this itself.
+            self._snapshot_event = None
         finally:
             self._idle.set()
         return staged
@@ -229,8 +228,7 @@ class CheckpointStager(AsyncStager):
             return False
         if tensor.device.type != "cuda":
             raise RuntimeError(
-                f"CheckpointStager stages CPU and CUDA tensors; {'/'.join(map(str, path))} "
-                f"is on {tensor.device}"
+                f"CheckpointStager stages CPU and CUDA tensors; {_name(path)} is on {tensor.device}"
             )
         return True
 
@@ -243,8 +241,7 @@ class CheckpointStager(AsyncStager):
         the current stream (which may still be writing the sources)."""
         if device.type != "cuda":
             raise RuntimeError(
-                f"CheckpointStager copies from CUDA devices; {'/'.join(map(str, path))} is on "
-                f"{device}"
+                f"CheckpointStager copies from CUDA devices; {_name(path)} is on {device}"
             )
         if work.device is None:
             if self._stream is None or self._stream.device != device:
@@ -254,7 +251,7 @@ class CheckpointStager(AsyncStager):
         elif device != work.device:
             raise RuntimeError(
                 "CheckpointStager stages the tensors of one CUDA device per process; "
-                f"{'/'.join(map(str, path))} is on {device}, others on {work.device}"
+                f"{_name(path)} is on {device}, others on {work.device}"
             )
         return self._stream
 
@@ -395,12 +392,12 @@ class CheckpointStager(AsyncStager):
             if value.dtype not in ((torch.bfloat16,) if bf16 else (torch.float32, torch.int16)):
                 raise RuntimeError(
                     "CheckpointStager.optimizer_snapshot(): get_unscaled_state() gave "
-                    f"{value.dtype} for {'/'.join(map(str, path))}"
+                    f"{value.dtype} for {_name(path)}"
                 )
             if not value.is_contiguous():
                 raise RuntimeError(
                     "CheckpointStager.optimizer_snapshot() needs contiguous states; "
-                    f"{'/'.join(map(str, path))} has stride {value.stride()}"
+                    f"{_name(path)} has stride {value.stride()}"
                 )
             dtype = torch.int16 if value.dtype == torch.int16 else torch.float32
             buffer = self._buffer(path, value.shape, dtype, work)
@@ -506,6 +503,11 @@ def _widen(buffer, dtype):
         flat[done:end].copy_(raw[done:end])
         done = end
     flat[done:].copy_(raw[done:].clone())  # the last values overlap what they become
+
+
+def _name(path):
+    """A path in a state dict, for messages."""
+    return "/".join(map(str, path))
 
 
 def _empty_host_cache():
