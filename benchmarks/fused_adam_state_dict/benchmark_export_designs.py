@@ -53,7 +53,8 @@ import torch
 import transformer_engine
 from transformer_engine.pytorch.optimizers import fused_adam
 
-from te_fusedadam_offload.staging import CheckpointStager
+# The stager's own emptying of PyTorch's pinned cache (torch.accelerator's, or torch._C's before).
+from te_fusedadam_offload.staging import CheckpointStager, _empty_host_cache
 
 # Run as a script, this folder is on sys.path.
 from benchmark_state_dict_offload import exported_bytes, stepped_optimizer, to_cpu
@@ -245,13 +246,6 @@ def _samples(sd):
         for k, s in sd["state"].items()
         for n, t in s.items()
     }
-
-
-def _empty_host_cache():
-    for name in ("_host_emptyCache", "_accelerator_emptyHostCache"):
-        if hasattr(torch._C, name):
-            getattr(torch._C, name)()
-            return
 
 
 def main():
