@@ -3,7 +3,7 @@
 import signal
 import sys
 
-from .errors import EXIT_INTERRUPTED, interrupted_early, quiet_lost_interrupts
+from .errors import EXIT_INTERRUPTED, interrupted_early, is_interrupt, quiet_lost_interrupts
 
 
 def main():
@@ -12,7 +12,9 @@ def main():
     try:
         quiet_lost_interrupts()
         from .cli import main as cli_main  # pylint: disable=import-outside-toplevel
-    except KeyboardInterrupt:
+    except (KeyboardInterrupt, RuntimeError) as exc:
+        if not is_interrupt(exc):
+            raise
         signal.signal(signal.SIGINT, signal.SIG_IGN)
         print(interrupted_early(sys.argv[1:]), file=sys.stderr)
         return EXIT_INTERRUPTED

@@ -20,6 +20,7 @@ from .errors import (
     EXIT_USAGE,
     ToolError,
     interrupted_early,
+    is_interrupt,
     quiet_lost_interrupts,
 )
 from .maintainers import MAINTAINERS_COMMANDS, add_commands
@@ -291,7 +292,9 @@ def main(argv=None, command=False):
             return EXIT_USAGE
         args = build_parser().parse_args(argv)
         return _run(args)
-    except KeyboardInterrupt:
+    except (KeyboardInterrupt, RuntimeError) as exc:
+        if not is_interrupt(exc):
+            raise
         signal.signal(signal.SIGINT, signal.SIG_IGN)
         if getattr(args, "target", None) is None:
             print(interrupted_early(sys.argv[1:] if argv is None else argv), file=sys.stderr)

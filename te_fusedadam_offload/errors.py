@@ -54,6 +54,15 @@ def interrupted_early(argv):
     return f"{name}: interrupted before it read the TE; nothing was changed"
 
 
+def is_interrupt(exc):
+    """Whether `exc` is a Ctrl-C: a KeyboardInterrupt, or the RuntimeError that Python 3.11 and
+    older raise in its place when it lands in a class's ``__set_name__`` (seen while a module of
+    the standard library was imported: ``Error calling __set_name__ ...``, caused by it)."""
+    return isinstance(exc, KeyboardInterrupt) or (
+        isinstance(exc, RuntimeError) and isinstance(exc.__cause__, KeyboardInterrupt)
+    )
+
+
 def quiet_lost_interrupts():
     """A Ctrl-C that lands in a callback that Python cannot raise from (a weakref callback of
     the import system, seen when it came while a module was imported) is lost: Python prints

@@ -21,7 +21,7 @@ from support import (
     tool_env,
 )
 
-from te_fusedadam_offload import mainline
+from te_fusedadam_offload import cli, mainline
 
 
 # The files apply writes: the saved original, the state file, then fused_adam.py; each is
@@ -281,6 +281,53 @@ def test_ctrl_c_at_several_instants_of_a_run(tree, pristine, tmp_path, command):
         codes.append(result.returncode)
     assert 130 in codes, codes
     _assert_way_out(tree, pristine, 0o644)
+
+
+# Python 3.11 and older raise a Ctrl-C that lands in a class's __set_name__ (while the standard
+# library's ipaddress is imported, say) as a RuntimeError caused by it (CI saw it once in the test
+# above). Here the import of the tool's command line raises it.
+_WRAPPED_AT_IMPORT = """import os, sys
+import te_fusedadam_offload.__main__ as command
+class Finder:
+    @staticmethod
+    def find_spec(name, path=None, target=None):
+        if name == "te_fusedadam_offload.cli":
+            cause = KeyboardInterrupt() if os.environ["CAUSE"] == "interrupt" else ValueError("other")
+            raise RuntimeError("Error calling __set_name__") from cause
+sys.meta_path.insert(0, Finder)
+sys.exit(command.main())
+"""
+
+
+@pytest.mark.parametrize("cause", ["interrupt", "other"])
+def test_a_ctrl_c_that_python_raises_as_a_runtime_error_is_a_ctrl_c(tree, cause):
+    result = subprocess.run(
+        [sys.executable, "-c", _WRAPPED_AT_IMPORT, "apply", str(tree)],
+        env=tool_env(CAUSE=cause),
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    if cause == "interrupt":
+        assert (result.returncode, result.stderr) == (
+            130,
+            "te-fusedadam-offload apply: interrupted before it read the TE; nothing was changed\n",
+        )
+    else:  # any other RuntimeError is not taken for one
+        assert result.returncode == 1 and "ValueError: other" in result.stderr
+    assert file_state(tree) == "pristine"
+
+
+def test_a_ctrl_c_raised_as_a_runtime_error_during_a_run_is_one_line(tree, monkeypatch, capsys):
+    def wrapped(state):
+        raise RuntimeError("Error calling __set_name__") from KeyboardInterrupt()
+
+    monkeypatch.setattr(cli, "_print_status", wrapped)  # once status has found its TE
+    assert cli.main(["status", str(tree)]) == 130
+    assert (
+        capsys.readouterr().err
+        == "te-fusedadam-offload status: interrupted; nothing was changed (status only reads)\n"
+    )
 
 
 def test_ctrl_c_during_git_am_of_a_checkout_aborts_it(tree, tmp_path, monkeypatch):
