@@ -108,15 +108,24 @@ def cmd_apply(args):
     overall = State(target, patches).overall
     if overall != APPLIED:
         raise ToolError(f"after applying, the series reads as {overall}")
-    print(f"{target}: {message}")  # last: an interrupt before it is reported as one
+    _done(f"{target}: {message}")
 
 
 def cmd_revert(args):
     """Take the series out, restoring the exact files it changed."""
     target = _target(args)
-    print(f"{target}: {revert(target, args.discard_edits)}")
-    for rel, what in file_report(State(target), NOT_APPLIED):
-        print(f"  {rel}: {what}")
+    message = revert(target, args.discard_edits)
+    files = [f"  {rel}: {what}" for rel, what in file_report(State(target), NOT_APPLIED)]
+    _done(f"{target}: {message}", *files)
+
+
+def _done(*lines):
+    """Print the lines that say a command changing files succeeded, once its work is done and
+    read back: a Ctrl-C before them is reported as an interrupt (exit 130), one from here on is
+    ignored, so that a success line is never followed by one."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    for line in lines:
+        print(line)
 
 
 def build_parser(maintainers=None):

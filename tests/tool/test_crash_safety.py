@@ -21,7 +21,7 @@ from support import (
     tool_env,
 )
 
-from te_fusedadam_offload import cli, mainline
+from te_fusedadam_offload import cli, mainline, report
 
 
 # The files apply writes: the saved original, the state file, then fused_adam.py; each is
@@ -328,6 +328,46 @@ def test_a_ctrl_c_raised_as_a_runtime_error_during_a_run_is_one_line(tree, monke
         capsys.readouterr().err
         == "te-fusedadam-offload status: interrupted; nothing was changed (status only reads)\n"
     )
+
+
+@pytest.mark.parametrize("command", ["apply", "revert"])
+def test_a_ctrl_c_after_the_success_line_is_ignored(tree, monkeypatch, capsys, command):
+    """Once apply or revert has said it succeeded, a Ctrl-C does not turn that into exit 130
+    (CI saw revert's line followed by an interrupt while it read the files back)."""
+    if command == "revert":
+        assert cli.main(["apply", str(tree)]) == 0
+        capsys.readouterr()
+
+    def print_then_ctrl_c(*args, **kwargs):
+        print(*args, **kwargs)
+        os.kill(os.getpid(), signal.SIGINT)
+
+    monkeypatch.setattr(cli, "print", print_then_ctrl_c, raising=False)
+    assert cli.main([command, str(tree)]) == 0
+    out, err = capsys.readouterr()
+    assert err == "" and out.startswith(f"tree TE at {tree}: ")
+    assert file_state(tree) == ("patched" if command == "apply" else "pristine")
+
+
+def test_a_ctrl_c_while_revert_reads_the_files_back_prints_no_success_line(
+    tree, monkeypatch, capsys
+):
+    assert cli.main(["apply", str(tree)]) == 0
+    capsys.readouterr()
+
+    calls = []
+
+    def interrupted_once(*args):
+        calls.append(args)
+        if len(calls) == 1:  # revert's read-back; the interrupted line's own read is real
+            raise KeyboardInterrupt
+        return report.file_report(*args)
+
+    monkeypatch.setattr(cli, "file_report", interrupted_once)
+    assert cli.main(["revert", str(tree)]) == 130
+    out, err = capsys.readouterr()
+    assert out == "" and err.startswith("te-fusedadam-offload revert: interrupted; ")
+    assert file_state(tree) == "pristine"
 
 
 def test_ctrl_c_during_git_am_of_a_checkout_aborts_it(tree, tmp_path, monkeypatch):
