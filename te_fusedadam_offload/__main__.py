@@ -12,6 +12,8 @@ def main():
     try:
         quiet_lost_interrupts()
         from .cli import main as cli_main  # pylint: disable=import-outside-toplevel
+
+        signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})  # until cli.main's handler
     except (KeyboardInterrupt, RuntimeError) as exc:
         if not is_interrupt(exc):
             raise

@@ -280,11 +280,12 @@ def main(argv=None, command=False):
     of this run in $TMPDIR, removed at the end, also after Ctrl-C, which ends the command with
     one line saying what the files are (exit 130). As the command (`command`, __main__.py),
     a Ctrl-C after the work is done is ignored: the exit status is that of the work."""
+    # Ctrl-C is held back until the handler is in place and the scratch directory is known,
+    # so that it is removed (as the command, __main__.py has held it back since its import).
+    signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
     previous, unraisable = signal.getsignal(signal.SIGINT), quiet_lost_interrupts()
     if previous is not signal.SIG_IGN:  # as Python does, a SIGINT ignored at start stays so
         signal.signal(signal.SIGINT, _on_sigint)
-    # Ctrl-C is held back until the scratch directory is known, so that it is removed.
-    signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
     tempdir = tempfile.tempdir
     scratch = tempfile.tempdir = tempfile.mkdtemp(prefix="te-fusedadam-offload-")
     args = None
@@ -300,7 +301,9 @@ def main(argv=None, command=False):
             )
             return EXIT_USAGE
         args = build_parser().parse_args(argv)
-        return _run(args)
+        code = _run(args)
+        signal.signal(signal.SIGINT, signal.SIG_IGN)  # the work is done: a Ctrl-C from here on
+        return code  # is ignored (one just before is raised here, in the try)
     except (KeyboardInterrupt, RuntimeError) as exc:
         if not is_interrupt(exc):
             raise

@@ -370,6 +370,38 @@ def test_a_ctrl_c_while_revert_reads_the_files_back_prints_no_success_line(
     assert file_state(tree) == "pristine"
 
 
+# A Ctrl-C that comes after the import of the tool's modules but before cli.main has its
+# handler in place (here sent from that very point, the first call of cli.main).
+_CTRL_C_BEFORE_THE_HANDLER = """import os, signal, sys
+import te_fusedadam_offload.__main__ as command
+from te_fusedadam_offload import cli
+quiet = cli.quiet_lost_interrupts
+def ctrl_c_then_quiet():
+    os.kill(os.getpid(), signal.SIGINT)
+    return quiet()
+cli.quiet_lost_interrupts = ctrl_c_then_quiet
+sys.exit(command.main())
+"""
+
+
+def test_a_ctrl_c_between_the_import_and_the_handler_is_one_line(tree, tmp_path):
+    scratch = tmp_path / "tmpdir"
+    scratch.mkdir()
+    result = subprocess.run(
+        [sys.executable, "-c", _CTRL_C_BEFORE_THE_HANDLER, "apply", str(tree)],
+        env=tool_env(TMPDIR=str(scratch)),
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    assert (result.returncode, result.stdout, result.stderr) == (
+        130,
+        "",
+        "te-fusedadam-offload apply: interrupted before it read the TE; nothing was changed\n",
+    )
+    assert file_state(tree) == "pristine" and not list(scratch.iterdir())
+
+
 def test_ctrl_c_during_git_am_of_a_checkout_aborts_it(tree, tmp_path, monkeypatch):
     """A TE checkout gets the series with git am; Ctrl-C after its first commit (a hook of git
     am waits there) stops git am, and the tool aborts it: the checkout is as before."""
