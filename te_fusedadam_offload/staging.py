@@ -155,7 +155,7 @@ class CheckpointStager(AsyncStager):
             if not self._async:
                 return self._wait_for(event, staged, work.widen)
             self._idle.clear()
-            return self._executor.submit(self._wait_for, event, staged, work.widen)
+            return self._executor.submit(self._in_thread, work.device, event, staged, work.widen)
 
     def _wait_briefly_for_uploads(self):
         """Give an upload that has just completed up to 10 ms to drop its state dict: its
@@ -166,18 +166,28 @@ class CheckpointStager(AsyncStager):
                 return
             time.sleep(0.001)
 
+    def _in_thread(self, device, *args):
+        """_wait_for in the stager's thread, with the staging's device current there: without
+        one, the thread's first CUDA call would make a context on device 0 (as torch's
+        DataLoader sets the device in its pin-memory thread)."""
+        with torch.cuda.device(device):
+            return self._wait_for(*args)
+
     def _wait_for(self, event, staged, widen):
         try:
             for copied, buffer, dtype in widen:  # each once its copy is done, beside the others
                 copied.synchronize()
                 _widen(buffer, dtype)
-            event.synchronize()
-            # The copies are done (those of any earlier snapshot came before them on the side
-            # stream): later steps need not wait. No staging sets it meanwhile: the next one is
-            # refused until this one is idle, and a synchronous one runs this itself.
-            self._snapshot_event = None
         finally:
-            self._idle.set()
+            try:
+                event.synchronize()  # also after a failed widening: the copies end anyway
+                # The copies are done (those of any earlier snapshot came before them on the
+                # side stream): later steps need not wait, and a step may be captured. No
+                # staging sets it meanwhile: the next one is refused until this one is idle,
+                # and a synchronous one runs this itself.
+                self._snapshot_event = None
+            finally:
+                self._idle.set()
         return staged
 
     def _walk(self, value, path, work):
@@ -279,10 +289,14 @@ class CheckpointStager(AsyncStager):
         copies are done, ``optimizer.step()`` makes the GPU wait for them (a step pre-hook; the
         CPU does not wait), so forward and backward run beside them. That hook covers
         ``step()`` of this optimizer only (not a step replayed from a CUDA graph): anything else
-        that changes the optimizer's states or the model's parameters in place (a load, another
-        optimizer, an in-place update) must wait for the staging first (``staging_completion``
-        with ``async_staging=True``). Do not wait for ``staging_completion`` before
-        ``optimizer.step()`` itself: it also covers the conversion on the CPU.
+        that changes the optimizer's states, its param groups' GPU tensors or the model's
+        parameters in place (a load, another optimizer, an in-place update, an LR scheduler
+        stepped before the optimizer with a tensor ``lr``) must wait for the staging first
+        (``staging_completion`` with ``async_staging=True``), and so must capturing a CUDA
+        graph (the stager's thread waits on CUDA events meanwhile). Do not wait for
+        ``staging_completion`` before ``optimizer.step()`` itself: it also covers the
+        conversion on the CPU. :meth:`close` removes the hook; with a stager dropped without
+        it, the hook stays and does nothing.
 
         Arguments:
             model (torch.nn.Module): as for ``get_optimizer_state_dict``; not FSDP1 (its
@@ -351,7 +365,6 @@ class CheckpointStager(AsyncStager):
             hook = functools.partial(_wait_for_snapshot, weakref.ref(self))
             handle = optimizer.register_step_pre_hook(hook)
             self._hooks[optimizer] = handle
-            weakref.finalize(self, handle.remove)  # a stager dropped without close()
         params = [p for g in optimizer.param_groups for p in g["params"]]
         saved = torch.optim.Optimizer.state_dict(optimizer)  # indices and param_groups
         exports = {

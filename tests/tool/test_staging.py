@@ -343,7 +343,9 @@ def test_optimizer_snapshot_is_the_export_through_dcp_with_every_option(
     del stager
     gc.collect()
     assert probe() is None  # the optimizer's hook does not keep the stager
-    assert not optimizer._optimizer_step_pre_hooks  # and goes with it
+    # It stays and does nothing: removed from the thread that drops the stager, it could
+    # change the optimizer's hooks while a step goes through them.
+    assert len(optimizer._optimizer_step_pre_hooks) == 1
     optimizer.step()
     stager = SnapshotStandIn()
     stager.stage({"optim": stager.optimizer_snapshot(model, optimizer)})
@@ -356,3 +358,29 @@ def test_optimizer_snapshot_is_the_export_through_dcp_with_every_option(
     gc.collect()
     assert probe() is None  # the stager does not keep the optimizer
     other.close()
+
+
+def test_a_failed_widening_leaves_nothing_for_a_step_to_wait_for(monkeypatch):
+    """The widening of a BF16 state raises: the staging raises it, the copies are waited for
+    anyway, so that no later step waits (or refuses a capture), and the next staging runs."""
+    monkeypatch.setattr(torch.cuda, "stream", lambda stream: contextlib.nullcontext())
+    monkeypatch.setattr(torch.Tensor, "record_stream", lambda self, stream: None)
+    model = torch.nn.Linear(8, 4)
+    optimizer = StandInFusedAdam(model.parameters())
+    stager = SnapshotStandIn()
+
+    def fails(buffer, dtype):
+        raise MemoryError("injected")
+
+    monkeypatch.setattr(staging, "_widen", fails)
+    with pytest.raises(MemoryError, match="injected"):
+        stager.stage({"optim": stager.optimizer_snapshot(model, optimizer)})
+    assert stager._snapshot_event is None and stager._idle.is_set()
+    monkeypatch.undo()
+    monkeypatch.setattr(torch.cuda, "stream", lambda stream: contextlib.nullcontext())
+    monkeypatch.setattr(torch.Tensor, "record_stream", lambda self, stream: None)
+    expected = get_optimizer_state_dict(model, optimizer)
+    _same_export(
+        stager.stage({"optim": stager.optimizer_snapshot(model, optimizer)})["optim"], expected
+    )
+    stager.close()
