@@ -168,7 +168,7 @@ class CheckpointStager(AsyncStager):
 
     def _in_thread(self, device, *args):
         """_wait_for in the stager's thread, with the staging's device current there: without
-        one, the thread's first CUDA call would make a context on device 0 (as torch's
+        one, the thread's first CUDA call may make a context on device 0 (as torch's
         DataLoader sets the device in its pin-memory thread)."""
         with torch.cuda.device(device):
             return self._wait_for(*args)
