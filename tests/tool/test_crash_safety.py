@@ -299,15 +299,20 @@ sys.exit(command.main())
 """
 
 
-@pytest.mark.parametrize("cause", ["interrupt", "other"])
-def test_a_ctrl_c_that_python_raises_as_a_runtime_error_is_a_ctrl_c(tree, cause):
-    result = subprocess.run(
-        [sys.executable, "-c", _WRAPPED_AT_IMPORT, "apply", str(tree)],
-        env=tool_env(CAUSE=cause),
+def _python(script, args, **env):
+    """Run `script` with `args` in a subprocess with the tool's environment (tool_env)."""
+    return subprocess.run(
+        [sys.executable, "-c", script, *args],
+        env=tool_env(**env),
         capture_output=True,
         text=True,
         check=False,
     )
+
+
+@pytest.mark.parametrize("cause", ["interrupt", "other"])
+def test_a_ctrl_c_that_python_raises_as_a_runtime_error_is_a_ctrl_c(tree, cause):
+    result = _python(_WRAPPED_AT_IMPORT, ["apply", str(tree)], CAUSE=cause)
     if cause == "interrupt":
         assert (result.returncode, result.stderr) == (
             130,
@@ -333,7 +338,7 @@ def test_a_ctrl_c_raised_as_a_runtime_error_during_a_run_is_one_line(tree, monke
 @pytest.mark.parametrize("command", ["apply", "revert"])
 def test_a_ctrl_c_after_the_success_line_is_ignored(tree, monkeypatch, capsys, command):
     """Once apply or revert has said it succeeded, a Ctrl-C does not turn that into exit 130
-    (CI saw revert's line followed by an interrupt while it read the files back)."""
+    (here sent from the print of its first line)."""
     if command == "revert":
         assert cli.main(["apply", str(tree)]) == 0
         capsys.readouterr()
@@ -387,13 +392,7 @@ sys.exit(command.main())
 def test_a_ctrl_c_between_the_import_and_the_handler_is_one_line(tree, tmp_path):
     scratch = tmp_path / "tmpdir"
     scratch.mkdir()
-    result = subprocess.run(
-        [sys.executable, "-c", _CTRL_C_BEFORE_THE_HANDLER, "apply", str(tree)],
-        env=tool_env(TMPDIR=str(scratch)),
-        capture_output=True,
-        text=True,
-        check=False,
-    )
+    result = _python(_CTRL_C_BEFORE_THE_HANDLER, ["apply", str(tree)], TMPDIR=str(scratch))
     assert (result.returncode, result.stdout, result.stderr) == (
         130,
         "",

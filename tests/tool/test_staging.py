@@ -372,13 +372,11 @@ def test_a_failed_widening_leaves_nothing_for_a_step_to_wait_for(monkeypatch):
     def fails(buffer, dtype):
         raise MemoryError("injected")
 
-    monkeypatch.setattr(staging, "_widen", fails)
-    with pytest.raises(MemoryError, match="injected"):
-        stager.stage({"optim": stager.optimizer_snapshot(model, optimizer)})
+    with monkeypatch.context() as patched:
+        patched.setattr(staging, "_widen", fails)
+        with pytest.raises(MemoryError, match="injected"):
+            stager.stage({"optim": stager.optimizer_snapshot(model, optimizer)})
     assert stager._snapshot_event is None and stager._idle.is_set()
-    monkeypatch.undo()
-    monkeypatch.setattr(torch.cuda, "stream", lambda stream: contextlib.nullcontext())
-    monkeypatch.setattr(torch.Tensor, "record_stream", lambda self, stream: None)
     expected = get_optimizer_state_dict(model, optimizer)
     _same_export(
         stager.stage({"optim": stager.optimizer_snapshot(model, optimizer)})["optim"], expected
