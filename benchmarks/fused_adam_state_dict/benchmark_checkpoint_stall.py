@@ -256,6 +256,7 @@ def run(args, base, offload):
             trainer = Trainer(model, optimizer, width, *lengths[length])
             trainer.baseline(args.warmup)
             stager = _stager(variant)
+            te_stager = isinstance(stager, CheckpointStager)
             path = _checkpoint_dir(args, f"stall-{variant}")
             pending = []  # (row, this rank's times, (upload, event)) not yet written
             for n in range(args.checkpoints):
@@ -270,7 +271,7 @@ def run(args, base, offload):
                     write_delay_s=args.write_delay_s,
                     iteration_s=round(iteration_s, 4),
                 )
-                if isinstance(stager, CheckpointStager):
+                if te_stager:
                     row["uploads_pending"] = sum(not u.done() for _, _, (u, _) in pending)
                 if args.overlap:  # a group per upload: overlapping uploads run at once
                     group = dist.new_group(backend="gloo")
@@ -278,7 +279,6 @@ def run(args, base, offload):
                 fresh = args.overlap or variant == "torch_checkpointing"
                 checkpoint_path = f"{path}-{n}" if fresh else path
                 times, *upload = checkpoint(variant, trainer, stager, group, checkpoint_path, args)
-                te_stager = isinstance(stager, CheckpointStager)
                 row["pinned_gib"] = round(stager.cached_bytes() / GiB, 3) if te_stager else None
                 if te_stager:
                     row["overlapping_stagings"] = stager.overlapping_stagings

@@ -248,6 +248,14 @@ def _samples(sd):
     }
 
 
+def _emit(row, out):
+    """Print `row` as a JSON line, and append it to `out` (a file) if there is one."""
+    print(json.dumps(row), flush=True)
+    if out:
+        out.write(json.dumps(row) + "\n")
+        out.flush()
+
+
 def main():
     """Run the table and print JSON lines, then a summary."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -368,20 +376,15 @@ def main():
                     if stager is not None:  # torch 2.11's host stats have no reserved bytes
                         row["stager_pinned_bytes"] = stager.cached_bytes()
                     rows.append(row)
-                    print(json.dumps(row), flush=True)
-                    if out:
-                        out.write(json.dumps(row) + "\n")
-                        out.flush()
+                    _emit(row, out)
                 if stager is not None:  # the documented release: close()
                     stager.close()
                     gc.collect()
-                    released = {"design": design, "moments": moments, "shape": shape}
+                    released = dict(env, design=design, moments=moments, shape=shape)
                     released.update(
                         closed=True, rss_gib=_rss_gib(), pinned_bytes=_pinned_reserved()
                     )
-                    print(json.dumps(released), flush=True)
-                    if out:
-                        out.write(json.dumps(dict(env, **released)) + "\n")
+                    _emit(released, out)
                 _empty_host_cache()
             del opt
             gc.collect()
