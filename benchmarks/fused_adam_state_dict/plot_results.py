@@ -264,7 +264,7 @@ def plot_stall(rows, source, out):
         iteration = statistics.median(r["iteration_s"] for r in sel)
         ax.set_title(f"{length} iteration ({iteration:.2f} s)", fontsize=9)
         ax.set_xlabel("checkpoint (consecutive)")
-        ax.set_ylabel("stall: extra seconds of the iteration after it (under 1 ms: at 1 ms)")
+        ax.set_ylabel("stall (s; under 1 ms drawn at 1 ms)")
         ax.set_yscale("log")  # from hundredths of a second to tens of seconds
         ax.axhline(0.1, color="gray", linewidth=0.5)  # 0.1 s, the aim of the snapshot
         ax.xaxis.get_major_locator().set_params(integer=True)
