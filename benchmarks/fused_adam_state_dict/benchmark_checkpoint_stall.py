@@ -48,8 +48,10 @@ new pinned buffers (overlapping_stagings counts them), whose cost this measures:
       --variants te_stager te_stager_async --write-delay-s 10 [--overlap] --out stall.jsonl
 
 One JSON line per checkpoint (rank 0): variant, offload, iteration ("short"/"long"), n (the
-checkpoint's index), overlap, write_delay_s, iteration_s, returned_s (until async_save
-returned), stall_s, and where the time went: export_optim_s, export_model_s, async_save_s,
+checkpoint's index), overlap, write_delay_s, iteration_s (the baseline's median;
+iteration_min_s and iteration_max_s its shortest and longest, the noise that a single
+iteration after the checkpoint carries), returned_s (until async_save returned), stall_s, and
+where the time went: export_optim_s, export_model_s, async_save_s,
 wait_staging_s (in the next iteration, before step()), uploaded_s (from the start until the
 upload is done); host memory of the rank (rss_gib: after the upload, with the state dict
 dropped, or with --overlap after the iteration; rss_peak_gib: the process's peak so far), the
@@ -134,14 +136,14 @@ class Trainer:
         return waited
 
     def baseline(self, count):
-        """Median seconds of `count` iterations (slowest rank)."""
+        """Seconds of `count` iterations (slowest rank): median, shortest, longest."""
         times = []
         for _ in range(count):
             dist.barrier()
             start = time.perf_counter()
             self.iteration()
             times.append(_max_over_ranks(time.perf_counter() - start))
-        return statistics.median(times)
+        return statistics.median(times), min(times), max(times)
 
 
 def checkpoint(variant, trainer, state_stager, group, path, args):
@@ -260,7 +262,7 @@ def run(args, base, offload):
             path = _checkpoint_dir(args, f"stall-{variant}")
             pending = []  # (row, this rank's times, (upload, event)) not yet written
             for n in range(args.checkpoints):
-                iteration_s = trainer.baseline(args.baseline)
+                iteration_s, shortest, longest = trainer.baseline(args.baseline)
                 row = dict(
                     base,
                     variant=variant,
@@ -270,6 +272,8 @@ def run(args, base, offload):
                     overlap=args.overlap,
                     write_delay_s=args.write_delay_s,
                     iteration_s=round(iteration_s, 4),
+                    iteration_min_s=round(shortest, 4),
+                    iteration_max_s=round(longest, 4),
                 )
                 if te_stager:
                     row["uploads_pending"] = sum(not u.done() for _, _, (u, _) in pending)
