@@ -59,6 +59,11 @@ stager's pinned buffers (pinned_gib: those it keeps for the next checkpoint; nul
 variants without a CheckpointStager) and, for the
 te_stager variants, overlapping_stagings (so far) and uploads_pending (uploads not done when
 this checkpoint started). With --overlap the rows are written once every upload is done.
+
+What the upload costs the iterations after that one (the stall counts only the first):
+--train-during-upload goes on training until every rank's upload is done, and adds
+after_iterations (how many), after_s (their seconds) and after_excess_s (after_s minus as many
+iterations of the baseline's median) to the rows.
 """
 
 import argparse
@@ -199,8 +204,6 @@ def checkpoint(variant, trainer, state_stager, group, path, args):
         before_step = None  # optimizer.step() waits on the GPU for the snapshot's copies
     elif variant == "torch_checkpointing":
         before_step = lambda: _wait_for_lock(stager)  # pylint: disable=unnecessary-lambda
-    row["wait_staging_s"] = trainer.iteration(before_step)
-    row["total_s"] = time.perf_counter() - start
     uploaded = threading.Event()  # set once row["uploaded_s"] is
 
     def _uploaded(_):
@@ -208,6 +211,15 @@ def checkpoint(variant, trainer, state_stager, group, path, args):
         uploaded.set()
 
     upload.add_done_callback(_uploaded)
+    row["wait_staging_s"] = trainer.iteration(before_step)
+    row["total_s"] = time.perf_counter() - start
+    if args.train_during_upload:  # until every rank's upload is done
+        row["after_iterations"], row["after_s"] = 0, 0.0
+        while _max_over_ranks(not upload.done()):
+            mark = time.perf_counter()
+            trainer.iteration(before_step)
+            row["after_s"] += time.perf_counter() - mark
+            row["after_iterations"] += 1
     if not args.overlap:
         uploaded.wait()
     if variant == "default_stager":
@@ -311,6 +323,11 @@ def _write_rows(args, pending):
         for key, value in times.items():
             row[key] = round(_max_over_ranks(value), 4)
         row["stall_s"] = round(row["total_s"] - row["iteration_s"], 4)
+        if "after_s" in row:
+            row["after_iterations"] = int(row["after_iterations"])
+            row["after_excess_s"] = round(
+                row["after_s"] - row["after_iterations"] * row["iteration_s"], 4
+            )
         _emit(args, row)
     pending.clear()
 
@@ -341,8 +358,15 @@ def main():
         action="store_true",
         help="start each checkpoint without waiting for the previous upload",
     )
+    parser.add_argument(
+        "--train-during-upload",
+        action="store_true",
+        help="after the iteration of the stall, go on training until the upload is done",
+    )
     parser.add_argument("--out", help="append the JSON lines to this file")
     args = parser.parse_args()
+    if args.train_during_upload and args.overlap:
+        parser.error("--train-during-upload waits for each upload; --overlap does not")
     if "torch_checkpointing" in args.variants and (args.write_delay_s or args.overlap):
         parser.error("torch_checkpointing runs without --write-delay-s and --overlap")
     torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
