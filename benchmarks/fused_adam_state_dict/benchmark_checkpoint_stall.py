@@ -63,10 +63,13 @@ this checkpoint started). With --overlap the rows are written once every upload 
 What the upload costs the iterations after that one (the stall counts only the first):
 --train-during-upload goes on training until every rank's upload is done, and adds
 after_iterations (how many), after_s (their seconds) and after_excess_s (after_s minus as many
-iterations of the baseline's median) to the rows.
+iterations of the baseline's median; it also holds what te_snapshot's BF16 widening, before
+the upload, takes from them) to the rows. after_excess_s / after_iterations is the cost per
+iteration, to be read against the spread of the baseline.
 """
 
 import argparse
+import functools
 import gc
 import os
 import shutil
@@ -151,9 +154,11 @@ class Trainer:
         return statistics.median(times), min(times), max(times)
 
 
-def checkpoint(variant, trainer, state_stager, group, path, args):
-    """One checkpoint and the iteration after it: the row's times (this rank's), the upload
-    (done unless --overlap) and an event set once the times have its uploaded_s."""
+def checkpoint(variant, trainer, state_stager, group, path, args, iteration_s):
+    """One checkpoint and the iteration after it (with --train-during-upload, and the
+    iterations until every rank's upload is done, against `iteration_s` each): the row's times
+    (this rank's), the upload (done unless --overlap) and an event set once the times have its
+    uploaded_s."""
     model, optimizer = trainer.model, trainer.optimizer
     row = {}
     torch.cuda.synchronize()
@@ -203,7 +208,7 @@ def checkpoint(variant, trainer, state_stager, group, path, args):
     if variant == "te_snapshot":
         before_step = None  # optimizer.step() waits on the GPU for the snapshot's copies
     elif variant == "torch_checkpointing":
-        before_step = lambda: _wait_for_lock(stager)  # pylint: disable=unnecessary-lambda
+        before_step = functools.partial(_wait_for_lock, stager)
     uploaded = threading.Event()  # set once row["uploaded_s"] is
 
     def _uploaded(_):
@@ -220,6 +225,7 @@ def checkpoint(variant, trainer, state_stager, group, path, args):
             trainer.iteration(before_step)
             row["after_s"] += time.perf_counter() - mark
             row["after_iterations"] += 1
+        row["after_excess_s"] = row["after_s"] - row["after_iterations"] * iteration_s
     if not args.overlap:
         uploaded.wait()
     if variant == "default_stager":
@@ -294,7 +300,9 @@ def run(args, base, offload):
                 # torch_checkpointing does not overwrite a checkpoint: one path per checkpoint.
                 fresh = args.overlap or variant == "torch_checkpointing"
                 checkpoint_path = f"{path}-{n}" if fresh else path
-                times, *upload = checkpoint(variant, trainer, stager, group, checkpoint_path, args)
+                times, *upload = checkpoint(
+                    variant, trainer, stager, group, checkpoint_path, args, iteration_s
+                )
                 row["pinned_gib"] = round(stager.cached_bytes() / GiB, 3) if te_stager else None
                 if te_stager:
                     row["overlapping_stagings"] = stager.overlapping_stagings
@@ -320,14 +328,13 @@ def _write_rows(args, pending):
     for row, times, (upload, uploaded) in pending:
         upload.result()
         uploaded.wait()
-        for key, value in times.items():
-            row[key] = round(_max_over_ranks(value), 4)
+        # In one order on every rank: a rank's upload may set uploaded_s before its iteration
+        # has set total_s.
+        for key in sorted(times):
+            row[key] = round(_max_over_ranks(times[key]), 4)
         row["stall_s"] = round(row["total_s"] - row["iteration_s"], 4)
-        if "after_s" in row:
+        if "after_iterations" in row:
             row["after_iterations"] = int(row["after_iterations"])
-            row["after_excess_s"] = round(
-                row["after_s"] - row["after_iterations"] * row["iteration_s"], 4
-            )
         _emit(args, row)
     pending.clear()
 
@@ -361,7 +368,7 @@ def main():
     parser.add_argument(
         "--train-during-upload",
         action="store_true",
-        help="after the iteration of the stall, go on training until the upload is done",
+        help="after the iteration of the stall, go on training until every rank's upload is done",
     )
     parser.add_argument("--out", help="append the JSON lines to this file")
     args = parser.parse_args()
