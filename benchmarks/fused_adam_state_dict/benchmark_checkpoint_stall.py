@@ -372,6 +372,8 @@ def main():
     )
     parser.add_argument("--out", help="append the JSON lines to this file")
     args = parser.parse_args()
+    if args.baseline < 1 or args.warmup < 1:
+        parser.error("--baseline and --warmup take at least one iteration")
     if args.train_during_upload and args.overlap:
         parser.error("--train-during-upload waits for each upload; --overlap does not")
     if "torch_checkpointing" in args.variants and (args.write_delay_s or args.overlap):
