@@ -253,6 +253,14 @@ class SnapshotStandIn(CheckpointStager):
         return self._stream
 
 
+@pytest.fixture
+def stand_in_stream(monkeypatch):
+    """What the stager does with its side stream on a GPU does nothing here: entering it, and
+    recording the sources' use on it."""
+    monkeypatch.setattr(torch.cuda, "stream", lambda stream: contextlib.nullcontext())
+    monkeypatch.setattr(torch.Tensor, "record_stream", lambda self, stream: None)
+
+
 class StandInFusedAdam(torch.optim.Optimizer):
     """The parts of TE's FusedAdam the snapshot uses, on CPU: BF16 moments, an FP32 master
     copy, get_unscaled_state() and name_to_dtype_map; state_dict() exports FP32 CPU tensors,
@@ -313,15 +321,12 @@ def _flat(state):
 
 @pytest.mark.parametrize("flatten", [False, True], ids=["nested", "flat"])
 @pytest.mark.parametrize("cpu_offload", [False, True], ids=["on_device", "cpu_offload"])
-def test_optimizer_snapshot_is_the_export_through_dcp_with_every_option(
-    monkeypatch, flatten, cpu_offload
-):
+@pytest.mark.usefixtures("stand_in_stream")
+def test_optimizer_snapshot_is_the_export_through_dcp_with_every_option(flatten, cpu_offload):
     """Through DCP's get_optimizer_state_dict with each option, the staged snapshot has the
     export's keys, param groups and values bitwise (BF16 states widened), in buffers that the
     next snapshot reuses; the step pre-hook is removed by close() and keeps neither the
     optimizer nor the stager alive."""
-    monkeypatch.setattr(torch.cuda, "stream", lambda stream: contextlib.nullcontext())
-    monkeypatch.setattr(torch.Tensor, "record_stream", lambda self, stream: None)
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(64, 32), torch.nn.Linear(32, 3))
     optimizer = StandInFusedAdam(model.parameters())
@@ -360,11 +365,10 @@ def test_optimizer_snapshot_is_the_export_through_dcp_with_every_option(
     other.close()
 
 
+@pytest.mark.usefixtures("stand_in_stream")
 def test_a_failed_widening_leaves_nothing_for_a_step_to_wait_for(monkeypatch):
     """The widening of a BF16 state raises: the staging raises it, the copies are waited for
     anyway, so that no later step waits (or refuses a capture), and the next staging runs."""
-    monkeypatch.setattr(torch.cuda, "stream", lambda stream: contextlib.nullcontext())
-    monkeypatch.setattr(torch.Tensor, "record_stream", lambda self, stream: None)
     model = torch.nn.Linear(8, 4)
     optimizer = StandInFusedAdam(model.parameters())
     stager = SnapshotStandIn()
