@@ -101,10 +101,12 @@ def tool_env(pythonpath=REPO, fault=None, **extra):
     return env
 
 
-def run_tool(args, cwd=None, **env):
-    """Run `python -m te_fusedadam_offload ARGS` in a subprocess (see tool_env for `env`)."""
+def run_tool(args, cwd=None, script=None, **env):
+    """Run `python -m te_fusedadam_offload ARGS` in a subprocess (see tool_env for `env`), or
+    `python -c SCRIPT ARGS` for a script that runs the command with something injected."""
+    program = ["-c", script] if script else ["-m", "te_fusedadam_offload"]
     return subprocess.run(
-        [sys.executable, "-m", "te_fusedadam_offload", *args],
+        [sys.executable, *program, *args],
         cwd=cwd,
         env=tool_env(**env),
         capture_output=True,

@@ -299,20 +299,9 @@ sys.exit(command.main())
 """
 
 
-def _python(script, args, **env):
-    """Run `script` with `args` in a subprocess with the tool's environment (tool_env)."""
-    return subprocess.run(
-        [sys.executable, "-c", script, *args],
-        env=tool_env(**env),
-        capture_output=True,
-        text=True,
-        check=False,
-    )
-
-
 @pytest.mark.parametrize("cause", ["interrupt", "other"])
 def test_a_ctrl_c_that_python_raises_as_a_runtime_error_is_a_ctrl_c(tree, cause):
-    result = _python(_WRAPPED_AT_IMPORT, ["apply", str(tree)], CAUSE=cause)
+    result = run_tool(["apply", str(tree)], script=_WRAPPED_AT_IMPORT, CAUSE=cause)
     if cause == "interrupt":
         assert (result.returncode, result.stderr) == (
             130,
@@ -392,7 +381,7 @@ sys.exit(command.main())
 def test_a_ctrl_c_between_the_import_and_the_handler_is_one_line(tree, tmp_path):
     scratch = tmp_path / "tmpdir"
     scratch.mkdir()
-    result = _python(_CTRL_C_BEFORE_THE_HANDLER, ["apply", str(tree)], TMPDIR=str(scratch))
+    result = run_tool(["apply", str(tree)], script=_CTRL_C_BEFORE_THE_HANDLER, TMPDIR=str(scratch))
     assert (result.returncode, result.stdout, result.stderr) == (
         130,
         "",
