@@ -48,17 +48,18 @@ new pinned buffers (overlapping_stagings counts them), whose cost this measures:
       --variants te_stager te_stager_async --write-delay-s 10 [--overlap] --out stall.jsonl
 
 One JSON line per checkpoint (rank 0): variant, offload, iteration ("short"/"long"), n (the
-checkpoint's index), overlap, write_delay_s, iteration_s (the baseline's median;
-iteration_min_s and iteration_max_s its shortest and longest, the noise that a single
-iteration after the checkpoint carries), returned_s (until async_save returned), stall_s, and
-where the time went: export_optim_s, export_model_s, async_save_s,
-wait_staging_s (in the next iteration, before step()), uploaded_s (from the start until the
-upload is done); host memory of the rank (rss_gib: after the upload, with the state dict
-dropped, or with --overlap after the iteration; rss_peak_gib: the process's peak so far), the
-stager's pinned buffers (pinned_gib: those it keeps for the next checkpoint; null for the
-variants without a CheckpointStager) and, for the
-te_stager variants, overlapping_stagings (so far) and uploads_pending (uploads not done when
-this checkpoint started). With --overlap the rows are written once every upload is done.
+checkpoint's index), overlap, write_delay_s, torch_threads (PyTorch's intra-op threads, on
+which te_snapshot's BF16 widening runs) and omp_num_threads (the variable that sets them),
+iteration_s (the baseline's median; iteration_min_s and iteration_max_s its shortest and
+longest, the noise that a single iteration after the checkpoint carries), returned_s (until
+async_save returned), stall_s, and where the time went: export_optim_s, export_model_s,
+async_save_s, wait_staging_s (in the next iteration, before step()), uploaded_s (from the start
+until the upload is done); host memory of the rank (rss_gib: after the upload, with the state
+dict dropped, or with --overlap after the iteration; rss_peak_gib: the process's peak so far),
+the stager's pinned buffers (pinned_gib: those it keeps for the next checkpoint; null for the
+variants without a CheckpointStager) and, for the te_stager variants, overlapping_stagings (so
+far) and uploads_pending (uploads not done when this checkpoint started). With --overlap the
+rows are written once every upload is done.
 
 What the upload costs the iterations after that one (the stall counts only the first):
 --train-during-upload goes on training until every rank's upload is done, and adds
@@ -385,6 +386,9 @@ def main():
         "local_log2": args.local_log2,
         "gpu": torch.cuda.get_device_name(),
         "cpus": os.cpu_count(),
+        # PyTorch's intra-op threads, on which te_snapshot's BF16 widening runs
+        "torch_threads": torch.get_num_threads(),
+        "omp_num_threads": os.environ.get("OMP_NUM_THREADS", ""),
         "torch": torch.__version__,
         "te": transformer_engine.__version__,
     }
