@@ -16,6 +16,11 @@ because of it: (the checkpoint + one iteration) - (an iteration without checkpoi
 of --baseline iterations before it), the slowest rank's. Before the next checkpoint the upload
 is waited for (not counted), so that each checkpoint starts alike. Variants:
 
+  none             no checkpoint: the iteration alone, measured as one after a checkpoint is,
+                   against the same baseline. Its stall_s is the noise of the measurement (how
+                   far one iteration strays from a median of others), to read the variants'
+                   stall_s against
+
   async_save       dcp.async_save with its own stager (it stages the whole state dict before
                    it returns)
   default_stager   the docs recipe: torch's DefaultStager with asynchronous staging, a new one
@@ -78,6 +83,7 @@ import statistics
 import sys
 import threading
 import time
+from concurrent.futures import Future
 from pathlib import Path
 
 import torch
@@ -102,6 +108,7 @@ from slow_storage import SlowWriter  # pylint: disable=wrong-import-position
 
 OFFLOAD = StateDictOptions(cpu_offload=True)
 VARIANTS = (
+    "none",
     "async_save",
     "default_stager",
     "te_stager",
@@ -165,6 +172,15 @@ def checkpoint(variant, trainer, state_stager, group, path, args, iteration_s):
     torch.cuda.synchronize()
     dist.barrier()
     start = time.perf_counter()
+    if variant == "none":  # the control: an iteration without checkpoint, timed alike
+        row["returned_s"] = 0.0
+        row["wait_staging_s"] = trainer.iteration()
+        row["total_s"] = time.perf_counter() - start
+        row["rss_gib"], row["rss_peak_gib"] = _rss_gib()
+        nothing, written = Future(), threading.Event()
+        nothing.set_result(None)
+        written.set()
+        return row, nothing, written
     if variant == "te_snapshot":
         optim = state_stager.optimizer_snapshot(model, optimizer)  # taken in async_save
     else:
