@@ -232,6 +232,7 @@ def plot_dcp(rows, source, out):
 
 
 STALL_LABELS = {
+    "none": "none: the iteration without a checkpoint (the control)",
     "async_save": "dcp.async_save, its own staging",
     "default_stager": "DefaultStager, async staging, new per checkpoint",
     "te_stager": "CheckpointStager (pass-through, reused pinned model buffers)",
@@ -258,9 +259,8 @@ def plot_stall(rows, source, out):
                 )
                 if pts:
                     mode = "option" if offload else "default"
-                    ax.plot(
-                        *zip(*pts), style, marker=marker, color=f"C{i}", label=f"{label}, {mode}"
-                    )
+                    name = label if variant == "none" else f"{label}, {mode}"  # no checkpoint
+                    ax.plot(*zip(*pts), style, marker=marker, color=f"C{i}", label=name)
         iteration = statistics.median(r["iteration_s"] for r in sel)
         ax.set_title(f"{length} iteration ({iteration:.2f} s)", fontsize=9)
         ax.set_xlabel("checkpoint (consecutive)")
