@@ -252,8 +252,8 @@ def plot_stall(rows, source, out):
         sel = [r for r in rows if r["iteration"] == length]
         for i, (variant, label) in enumerate(STALL_LABELS.items()):
             for offload, style, marker in ((False, "--", "x"), (True, "-", "o")):
-                pts = sorted(  # a stall under 1 ms (noise) drawn at 1 ms on the log scale
-                    (r["n"], max(r["stall_s"], 0.001))
+                pts = sorted(
+                    (r["n"], r["stall_s"])
                     for r in sel
                     if r["variant"] == variant and r["offload"] == offload
                 )
@@ -264,8 +264,10 @@ def plot_stall(rows, source, out):
         iteration = statistics.median(r["iteration_s"] for r in sel)
         ax.set_title(f"{length} iteration ({iteration:.2f} s)", fontsize=9)
         ax.set_xlabel("checkpoint (consecutive)")
-        ax.set_ylabel("stall (s; under 1 ms drawn at 1 ms)")
-        ax.set_yscale("log")  # from hundredths of a second to tens of seconds
+        ax.set_ylabel("stall (s; linear within +-0.01 s)")
+        # From hundredths of a second to tens of seconds, and the control's (and a stall's)
+        # negative values: an iteration can be shorter than the median it is measured against.
+        ax.set_yscale("symlog", linthresh=0.01)
         ax.axhline(0.1, color="gray", linewidth=0.5)  # 0.1 s, the aim of the snapshot
         ax.xaxis.get_major_locator().set_params(integer=True)
     handles, labels = axes[0][0].get_legend_handles_labels()
