@@ -197,7 +197,9 @@ def _revert_checkout(state):
             "the series' commits are not the newest commits of the checkout; "
             "revert them with git revert"
         )
-    git(["reset", "-q", "--keep", f"HEAD~{len(patches)}"], root)
+    if git(["status", "--porcelain", "--untracked-files=no"], root).stdout.strip():
+        raise ToolError(f"{root} has uncommitted changes; commit or stash them first")
+    git(["reset", "-q", "--keep", f"HEAD~{len(patches)}"], root, shielded=True)
     return f"removed the {len(patches)} commits of the series"
 
 

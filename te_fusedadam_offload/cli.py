@@ -304,7 +304,7 @@ def main(argv=None, command=False):
         code = _run(args)
         signal.signal(signal.SIGINT, signal.SIG_IGN)  # the work is done: a Ctrl-C from here on
         return code  # is ignored (one just before is raised here, in the try)
-    except (KeyboardInterrupt, RuntimeError) as exc:
+    except (KeyboardInterrupt, RuntimeError, OSError) as exc:
         if not is_interrupt(exc):
             raise
         signal.signal(signal.SIGINT, signal.SIG_IGN)

@@ -55,11 +55,15 @@ def interrupted_early(argv):
 
 
 def is_interrupt(exc):
-    """Whether `exc` is a Ctrl-C: a KeyboardInterrupt, or the RuntimeError that Python 3.11 and
+    """Whether `exc` is a Ctrl-C: a KeyboardInterrupt, the RuntimeError that Python 3.11 and
     older raise in its place when it lands in a class's ``__set_name__`` (seen while a module of
-    the standard library was imported: ``Error calling __set_name__ ...``, caused by it)."""
-    return isinstance(exc, KeyboardInterrupt) or (
-        isinstance(exc, RuntimeError) and isinstance(exc.__cause__, KeyboardInterrupt)
+    the standard library was imported: ``Error calling __set_name__ ...``, caused by it), or an
+    OSError raised while a Ctrl-C was being handled (seen: ``Bad file descriptor`` from
+    shutil.rmtree of a TemporaryDirectory, which the Ctrl-C had stopped halfway)."""
+    return (
+        isinstance(exc, KeyboardInterrupt)
+        or (isinstance(exc, RuntimeError) and isinstance(exc.__cause__, KeyboardInterrupt))
+        or (isinstance(exc, OSError) and isinstance(exc.__context__, KeyboardInterrupt))
     )
 
 

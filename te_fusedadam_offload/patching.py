@@ -14,26 +14,39 @@ from .errors import NeedsError, ToolError
 from .series import hunk_headers, patch_label
 
 
-def git(args, cwd, env=None, check=True, input_text=None):
-    """Run git; raise ToolError with its output if it fails and `check`."""
+def git(args, cwd, env=None, check=True, input_text=None, shielded=False):
+    """Run git; raise ToolError with its output if it fails and `check`. A Ctrl-C that stops
+    the tool meanwhile is raised once git has exited: git cleans up after a Ctrl-C (its lock
+    files), not after the SIGKILL that subprocess.run sends an interrupted child. `shielded`
+    runs git in a session of its own, out of reach of a Ctrl-C at the terminal, for a short
+    change that must not stop halfway (git reset leaves the files half reset and HEAD where
+    it was)."""
     full_env = dict(os.environ)
     for key in ("GIT_DIR", "GIT_WORK_TREE", "GIT_INDEX_FILE"):
         full_env.pop(key, None)
     full_env.update(env or {})
-    try:
-        result = subprocess.run(
+    try:  # the process is waited for in the `with` below
+        proc = subprocess.Popen(  # pylint: disable=consider-using-with
             ["git", *args],
             cwd=cwd,
             env=full_env,
-            capture_output=True,
+            stdin=subprocess.DEVNULL if input_text is None else subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
             text=True,
-            input=input_text,
-            check=False,
+            start_new_session=shielded,
         )
     except FileNotFoundError as exc:
         if not shutil.which("git"):
             raise NeedsError("git is needed but was not found on PATH; install git") from exc
         raise
+    with proc:
+        try:
+            stdout, stderr = proc.communicate(input_text)
+        except KeyboardInterrupt:
+            proc.communicate()  # until git exits (the tool ignores further Ctrl-Cs)
+            raise
+    result = subprocess.CompletedProcess(proc.args, proc.returncode, stdout, stderr)
     if check and result.returncode != 0:
         raise ToolError(f"git {' '.join(args)} failed:\n{result.stderr.strip()}")
     return result
@@ -124,10 +137,10 @@ def git_am(repo, patches, env=None, what="git am"):
     head = git(["rev-parse", "HEAD"], repo, env).stdout.strip()
     try:
         result = git(["am", "--keep-non-patch", *map(str, patches)], repo, env, check=False)
-    except KeyboardInterrupt:  # Ctrl-C stops git am too: take back the commits it made
+    except KeyboardInterrupt:  # git am stopped too (or ended): take back the commits it made
         signal.signal(signal.SIGINT, signal.SIG_IGN)
         git(["am", "--abort"], repo, env, check=False)  # which keeps them when interrupted
-        git(["reset", "-q", "--keep", head], repo, env, check=False)
+        git(["reset", "-q", "--keep", head], repo, env, check=False, shielded=True)
         raise
     if result.returncode != 0:
         git(["am", "--abort"], repo, env, check=False)

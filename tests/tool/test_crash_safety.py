@@ -4,6 +4,7 @@ a way out."""
 
 import errno
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -324,6 +325,29 @@ def test_a_ctrl_c_raised_as_a_runtime_error_during_a_run_is_one_line(tree, monke
     )
 
 
+@pytest.mark.parametrize("during", [KeyboardInterrupt, ValueError])
+def test_an_os_error_while_a_ctrl_c_is_handled_is_one_line(tree, monkeypatch, capsys, during):
+    """Ctrl-C inside shutil.rmtree of a TemporaryDirectory made it fail with EBADF (seen): the
+    OSError raised while the KeyboardInterrupt is handled is the Ctrl-C; one without is not."""
+
+    def wrapped(state):
+        try:
+            raise during()
+        except during:  # the OSError's __context__, as in the traceback seen
+            raise OSError(errno.EBADF, "Bad file descriptor")  # pylint: disable=raise-missing-from
+
+    monkeypatch.setattr(cli, "_print_status", wrapped)
+    if during is KeyboardInterrupt:
+        assert cli.main(["status", str(tree)]) == 130
+        assert (
+            capsys.readouterr().err
+            == "te-fusedadam-offload status: interrupted; nothing was changed (status only reads)\n"
+        )
+    else:
+        with pytest.raises(OSError):
+            cli.main(["status", str(tree)])
+
+
 @pytest.mark.parametrize("command", ["apply", "revert"])
 def test_a_ctrl_c_after_the_success_line_is_ignored(tree, monkeypatch, capsys, command):
     """Once apply or revert has said it succeeded, a Ctrl-C does not turn that into exit 130
@@ -426,3 +450,62 @@ def test_ctrl_c_during_git_am_of_a_checkout_aborts_it(tree, tmp_path, monkeypatc
     assert not (tree / ".git" / "rebase-apply").exists()
     assert git(["status", "--porcelain", "--untracked-files=no"], tree) == ""
     assert not list(scratch.iterdir())
+
+
+def _applied_checkout(tree, monkeypatch):
+    """`tree` as a git checkout of the pinned main with the series applied as commits; the
+    commit before them."""
+    if mainline.main_tree() is None:
+        pytest.skip("the pinned main tree is not at hand (the series' test files need it)")
+    as_main(tree, monkeypatch)
+    git(["init", "-q", "-b", "main"], tree)
+    git(["add", "-A"], tree)
+    git(["commit", "-qm", "TE"], tree)
+    base = git(["rev-parse", "HEAD"], tree)
+    assert run_tool(["apply", str(tree)]).returncode == 0
+    return base
+
+
+def test_ctrl_c_during_the_git_reset_of_a_checkout_revert_lets_it_finish(
+    tree, tmp_path, monkeypatch
+):
+    """Ctrl-C at the terminal (the process group) while revert's git reset runs: the reset is
+    not stopped halfway (files reset, HEAD not), it finishes, and the one line says so."""
+    base = _applied_checkout(tree, monkeypatch)
+    marker, bin_dir = tmp_path / "reset-started", tmp_path / "bin"
+    bin_dir.mkdir()
+    wrapper = bin_dir / "git"  # a git that waits before it resets, for the Ctrl-C to land
+    wrapper.write_text(
+        f'#!/bin/sh\nif [ "$1" = reset ]; then touch "{marker}"; sleep 1; fi\n'
+        f'exec "{shutil.which("git")}" "$@"\n'
+    )
+    wrapper.chmod(0o755)
+    env = tool_env(PATH=f"{bin_dir}{os.pathsep}{os.environ['PATH']}")
+    with subprocess.Popen(
+        [sys.executable, "-m", "te_fusedadam_offload", "revert", str(tree)],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    ) as proc:
+        deadline = time.monotonic() + 60
+        while not marker.exists() and proc.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert marker.exists(), proc.communicate()
+        os.killpg(proc.pid, signal.SIGINT)
+        stdout, stderr = proc.communicate()
+    assert proc.returncode == 130 and stdout == "", stderr
+    assert stderr.count("\n") == 1 and "(status: not applied)" in stderr, stderr
+    assert git(["rev-parse", "HEAD"], tree) == base
+    assert git(["status", "--porcelain", "--untracked-files=no"], tree) == ""
+
+
+def test_revert_of_a_checkout_with_uncommitted_changes_is_refused(tree, monkeypatch):
+    base = _applied_checkout(tree, monkeypatch)
+    edited = tree / FUSED_ADAM
+    edited.write_text(edited.read_text(encoding="utf-8") + "# mine\n", encoding="utf-8")
+    result = run_tool(["revert", str(tree)])
+    assert result.returncode != 0 and "has uncommitted changes" in result.stderr, result.stderr
+    assert "# mine" in edited.read_text(encoding="utf-8")
+    assert git(["rev-parse", "HEAD"], tree) != base  # the series is still applied
