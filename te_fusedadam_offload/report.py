@@ -129,6 +129,15 @@ def drift_message(target, rows, action, edited=()):
             f"its files were changed by something else: reinstall TE {pinned} ({pip} "
             f"--force-reinstall --no-deps 'transformer_engine=={pinned}') and run {action} again"
         )
+    if action == "revert" and not edited and target.kind != "checkout":
+        # Without edits since apply, revert gets here only where apply saved no originals.
+        instead = advice.removeprefix("its files were changed by something else: ")
+        advice = (
+            "nothing; revert writes back the originals that apply saved, and it saved none of "
+            "these files: it did not patch them, and nothing was changed. For the released "
+            "files instead (which discards what was changed in them): "
+            + instead.removesuffix(f" and run {action} again")
+        )
     lines = [f"cannot {action}: {lead}"]
     lines += [
         f"  {name}: {state}" + (f" ({detail})" if detail else "") for name, state, detail in rows

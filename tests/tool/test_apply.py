@@ -140,6 +140,22 @@ def test_other_version_on_other_originals_is_left_unchanged(tree, pristine):
     assert (tree / FUSED_ADAM).read_bytes() == drifted
 
 
+def test_revert_of_a_drifted_target_that_apply_never_patched_says_it_changes_nothing(tree):
+    """A user's edit of a TE the tool never patched: revert has nothing to write back, and
+    says so before the way to the released files (which would discard the edit)."""
+    drift_context(tree)
+    before = (tree / FUSED_ADAM).read_bytes()
+    result = run_tool(["revert", str(tree)])
+    assert result.returncode == 1, result.stderr
+    assert "it saved none of these files: it did not patch them, and nothing was changed" in (
+        result.stderr
+    )
+    assert "(which discards what was changed in them): put the files of a supported TE" in (
+        result.stderr
+    )
+    assert (tree / FUSED_ADAM).read_bytes() == before
+
+
 def test_drifted_target_is_reported_and_left_unchanged(tree):
     drift_context(tree)
     before = (tree / FUSED_ADAM).read_bytes()
