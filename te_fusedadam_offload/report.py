@@ -136,7 +136,7 @@ def drift_message(target, rows, action, edited=()):
             "nothing; revert writes back the originals that apply saved, and it saved none of "
             "these files: it did not patch them, and nothing was changed. For the released "
             "files instead (which discards what was changed in them): "
-            + instead.removesuffix(f" and run {action} again")
+            + instead.removesuffix(f" and run {action} again").rstrip(",")
         )
     lines = [f"cannot {action}: {lead}"]
     lines += [

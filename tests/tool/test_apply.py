@@ -153,6 +153,7 @@ def test_revert_of_a_drifted_target_that_apply_never_patched_says_it_changes_not
     assert "(which discards what was changed in them): put the files of a supported TE" in (
         result.stderr
     )
+    assert result.stderr.endswith("or point at such a tree.\n"), result.stderr
     assert (tree / FUSED_ADAM).read_bytes() == before
 
 
