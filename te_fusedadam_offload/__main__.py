@@ -14,7 +14,7 @@ def main():
         from .cli import main as cli_main  # pylint: disable=import-outside-toplevel
 
         signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})  # until cli.main's handler
-    except (KeyboardInterrupt, RuntimeError) as exc:
+    except (KeyboardInterrupt, RuntimeError, OSError) as exc:
         if not is_interrupt(exc):
             raise
         signal.signal(signal.SIGINT, signal.SIG_IGN)

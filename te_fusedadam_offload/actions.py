@@ -10,7 +10,7 @@ import tempfile
 from pathlib import Path
 
 from .errors import NeedsError, ToolError
-from .patching import all_apply, failure, git, git_am
+from .patching import all_apply, failure, git, git_am, touched
 from .saved import BACKUP_DIR, checked_state, modes, remove_stale_files, sha256, write_files
 from .series import compat_patches, patch_files, patch_label
 from .report import drift_message
@@ -151,7 +151,9 @@ def revert(target, discard_edits=False):
         return "not applied; nothing to do"
     target.refuse_source_checkout("revert")
     if state.overall == DRIFTED:
-        raise ToolError(drift_message(target, state.rows, "revert", state.edited))
+        raise ToolError(
+            drift_message(target, state.rows, "revert", state.edited, saved=bool(state.saved))
+        )
     # Applied, or the first patches only, without saved originals: reverse what is applied.
     contents = {
         rel: data for rel, data in state.before.items() if data != (target.root / rel).read_bytes()
@@ -197,8 +199,16 @@ def _revert_checkout(state):
             "the series' commits are not the newest commits of the checkout; "
             "revert them with git revert"
         )
-    if git(["status", "--porcelain", "--untracked-files=no"], root).stdout.strip():
-        raise ToolError(f"{root} has uncommitted changes; commit or stash them first")
+    # Where git reset --keep would stop: changes to the files that the series' commits change.
+    paths = sorted({path for patch in patches for path in touched(patch)})
+    status = ["status", "--porcelain", "--untracked-files=no", "--ignore-submodules=all"]
+    changed = [line[3:] for line in git([*status, "--", *paths], root).stdout.splitlines()]
+    if changed:
+        files = ", ".join(changed)
+        raise ToolError(
+            f"{root} has uncommitted changes to files of the series ({files}); commit or stash "
+            "them first"
+        )
     git(["reset", "-q", "--keep", f"HEAD~{len(patches)}"], root, shielded=True)
     return f"removed the {len(patches)} commits of the series"
 

@@ -1,5 +1,6 @@
 """Errors the tool reports to its user, each with the exit status of its kind."""
 
+import errno
 import sys
 
 # Exit statuses (also in the README and in `--help`).
@@ -63,7 +64,11 @@ def is_interrupt(exc):
     return (
         isinstance(exc, KeyboardInterrupt)
         or (isinstance(exc, RuntimeError) and isinstance(exc.__cause__, KeyboardInterrupt))
-        or (isinstance(exc, OSError) and isinstance(exc.__context__, KeyboardInterrupt))
+        or (
+            isinstance(exc, OSError)
+            and exc.errno == errno.EBADF
+            and isinstance(exc.__context__, KeyboardInterrupt)
+        )
     )
 
 

@@ -16,8 +16,9 @@ from .series import hunk_headers, patch_label
 
 def git(args, cwd, env=None, check=True, input_text=None, shielded=False):
     """Run git; raise ToolError with its output if it fails and `check`. A Ctrl-C that stops
-    the tool meanwhile is raised once git has exited: git cleans up after a Ctrl-C (its lock
-    files), not after the SIGKILL that subprocess.run sends an interrupted child. `shielded`
+    the tool meanwhile is passed on to git (where it did not get it from the terminal) and
+    raised once git has exited: git cleans up after a Ctrl-C (its lock files), not after the
+    SIGKILL that subprocess.run sends an interrupted child. `shielded`
     runs git in a session of its own, out of reach of a Ctrl-C at the terminal, for a short
     change that must not stop halfway (git reset leaves the files half reset and HEAD where
     it was)."""
@@ -44,6 +45,10 @@ def git(args, cwd, env=None, check=True, input_text=None, shielded=False):
         try:
             stdout, stderr = proc.communicate(input_text)
         except KeyboardInterrupt:
+            if proc.stdin:  # the rest of the input is not written: end it
+                proc.stdin.close()
+            if not shielded and proc.poll() is None:
+                proc.send_signal(signal.SIGINT)  # where git did not get the Ctrl-C itself
             proc.communicate()  # until git exits (the tool ignores further Ctrl-Cs)
             raise
     result = subprocess.CompletedProcess(proc.args, proc.returncode, stdout, stderr)

@@ -94,8 +94,9 @@ def _discard_edits(target):
     )
 
 
-def drift_message(target, rows, action, edited=()):
-    """Why `action` (apply, revert) cannot go on, the rows of the patches, and what to do."""
+def drift_message(target, rows, action, edited=(), saved=True):
+    """Why `action` (apply, revert) cannot go on, the rows of the patches, and what to do;
+    `saved`: whether apply saved originals there (revert writes back only those)."""
     pin, found = load_pin(), te_version(target)
     oldest, pinned = supported_range()
     supported = f"TE {oldest} to {pinned}" if oldest != pinned else f"TE {pinned}"
@@ -129,15 +130,18 @@ def drift_message(target, rows, action, edited=()):
             f"its files were changed by something else: reinstall TE {pinned} ({pip} "
             f"--force-reinstall --no-deps 'transformer_engine=={pinned}') and run {action} again"
         )
-    if action == "revert" and not edited and target.kind != "checkout":
-        # Without edits since apply, revert gets here only where apply saved no originals.
-        instead = advice.removeprefix("its files were changed by something else: ")
+    instead = advice.removeprefix("its files were changed by something else: ")
+    if action == "revert" and not saved and target.kind != "checkout":
+        # apply saved no originals here: it did not patch these files.
         advice = (
             "nothing; revert writes back the originals that apply saved, and it saved none of "
-            "these files: it did not patch them, and nothing was changed. For the released "
-            "files instead (which discards what was changed in them): "
-            + instead.removesuffix(f" and run {action} again").rstrip(",")
+            "these files: it did not patch them, and nothing was changed"
         )
+        if found is None or found == pinned:
+            advice += (
+                ". For the released files instead (which discards what was changed in them): "
+                + instead.removesuffix(f" and run {action} again").rstrip(",")
+            )
     lines = [f"cannot {action}: {lead}"]
     lines += [
         f"  {name}: {state}" + (f" ({detail})" if detail else "") for name, state, detail in rows

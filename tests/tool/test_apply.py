@@ -157,6 +157,16 @@ def test_revert_of_a_drifted_target_that_apply_never_patched_says_it_changes_not
     assert (tree / FUSED_ADAM).read_bytes() == before
 
 
+def test_revert_where_apply_saved_originals_keeps_the_advice_to_restore_a_release(tree):
+    """Revert's 'it did not patch them' is for a TE without saved originals only."""
+    drift_context(tree)
+    t = target.find_target(tree)
+    rows = state.State(t).rows
+    saved = report.drift_message(t, rows, "revert", saved=True)
+    assert "did not patch" not in saved and saved.endswith("and run revert again.")
+    assert "it did not patch them" in report.drift_message(t, rows, "revert", saved=False)
+
+
 def test_drifted_target_is_reported_and_left_unchanged(tree):
     drift_context(tree)
     before = (tree / FUSED_ADAM).read_bytes()

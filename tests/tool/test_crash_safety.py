@@ -501,11 +501,23 @@ def test_ctrl_c_during_the_git_reset_of_a_checkout_revert_lets_it_finish(
     assert git(["status", "--porcelain", "--untracked-files=no"], tree) == ""
 
 
-def test_revert_of_a_checkout_with_uncommitted_changes_is_refused(tree, monkeypatch):
+def test_revert_of_a_checkout_with_uncommitted_changes_to_its_files_is_refused(tree, monkeypatch):
     base = _applied_checkout(tree, monkeypatch)
     edited = tree / FUSED_ADAM
     edited.write_text(edited.read_text(encoding="utf-8") + "# mine\n", encoding="utf-8")
     result = run_tool(["revert", str(tree)])
-    assert result.returncode != 0 and "has uncommitted changes" in result.stderr, result.stderr
+    assert result.returncode == 1, result.stderr
+    assert f"has uncommitted changes to files of the series ({FUSED_ADAM})" in result.stderr
     assert "# mine" in edited.read_text(encoding="utf-8")
     assert git(["rev-parse", "HEAD"], tree) != base  # the series is still applied
+
+
+def test_revert_of_a_checkout_keeps_uncommitted_changes_to_other_files(tree, monkeypatch):
+    """As git reset --keep does: only changes to the series' files stop it."""
+    base = _applied_checkout(tree, monkeypatch)
+    other = tree / FUSED_SGD
+    other.write_text(other.read_text(encoding="utf-8") + "# mine\n", encoding="utf-8")
+    result = run_tool(["revert", str(tree)])
+    assert result.returncode == 0, result.stderr
+    assert git(["rev-parse", "HEAD"], tree) == base
+    assert "# mine" in other.read_text(encoding="utf-8")
