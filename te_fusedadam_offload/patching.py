@@ -18,10 +18,9 @@ def git(args, cwd, env=None, check=True, input_text=None, shielded=False):
     """Run git; raise ToolError with its output if it fails and `check`. A Ctrl-C that stops
     the tool meanwhile is passed on to git (where it did not get it from the terminal) and
     raised once git has exited: git cleans up after a Ctrl-C (its lock files), not after the
-    SIGKILL that subprocess.run sends an interrupted child. `shielded`
-    runs git in a session of its own, out of reach of a Ctrl-C at the terminal, for a short
-    change that must not stop halfway (git reset leaves the files half reset and HEAD where
-    it was)."""
+    SIGKILL that subprocess.run sends an interrupted child. `shielded` runs git in a session
+    of its own, out of reach of a Ctrl-C at the terminal, for a short change that must not
+    stop halfway (git reset leaves the files half reset and HEAD where it was)."""
     full_env = dict(os.environ)
     for key in ("GIT_DIR", "GIT_WORK_TREE", "GIT_INDEX_FILE"):
         full_env.pop(key, None)

@@ -130,8 +130,8 @@ def drift_message(target, rows, action, edited=(), saved=True):
             f"its files were changed by something else: reinstall TE {pinned} ({pip} "
             f"--force-reinstall --no-deps 'transformer_engine=={pinned}') and run {action} again"
         )
-    instead = advice.removeprefix("its files were changed by something else: ")
     if action == "revert" and not saved and target.kind != "checkout":
+        instead = advice.removeprefix("its files were changed by something else: ")
         # apply saved no originals here: it did not patch these files.
         advice = (
             "nothing; revert writes back the originals that apply saved, and it saved none of "

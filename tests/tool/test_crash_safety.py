@@ -414,56 +414,65 @@ def test_a_ctrl_c_between_the_import_and_the_handler_is_one_line(tree, tmp_path)
     assert file_state(tree) == "pristine" and not list(scratch.iterdir())
 
 
-def test_ctrl_c_during_git_am_of_a_checkout_aborts_it(tree, tmp_path, monkeypatch):
-    """A TE checkout gets the series with git am; Ctrl-C after its first commit (a hook of git
-    am waits there) stops git am, and the tool aborts it: the checkout is as before."""
+def _te_checkout(tree, monkeypatch):
+    """`tree` as a git checkout of the pinned main (one commit); that commit."""
     if mainline.main_tree() is None:
         pytest.skip("the pinned main tree is not at hand (the series' test files need it)")
     as_main(tree, monkeypatch)
     git(["init", "-q", "-b", "main"], tree)
     git(["add", "-A"], tree)
     git(["commit", "-qm", "TE"], tree)
-    base = git(["rev-parse", "HEAD"], tree)
+    return git(["rev-parse", "HEAD"], tree)
+
+
+def _applied_checkout(tree, monkeypatch):
+    """`tree` as a git checkout of the pinned main with the series applied as commits; the
+    commit before them."""
+    base = _te_checkout(tree, monkeypatch)
+    assert run_tool(["apply", str(tree)]).returncode == 0
+    return base
+
+
+def _ctrl_c_once(args, marker, env, wait_s, poll_s):
+    """Run the tool with `args` in a session of its own, send its process group a SIGINT (as
+    Ctrl-C at a terminal does) once `marker` exists (within `wait_s`); (exit status, stdout,
+    stderr)."""
+    with subprocess.Popen(
+        [sys.executable, "-m", "te_fusedadam_offload", *args],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    ) as proc:
+        deadline = time.monotonic() + wait_s
+        while not marker.exists() and proc.poll() is None and time.monotonic() < deadline:
+            time.sleep(poll_s)
+        assert marker.exists(), proc.communicate()
+        os.killpg(proc.pid, signal.SIGINT)
+        stdout, stderr = proc.communicate()
+    return proc.returncode, stdout, stderr
+
+
+def test_ctrl_c_during_git_am_of_a_checkout_aborts_it(tree, tmp_path, monkeypatch):
+    """A TE checkout gets the series with git am; Ctrl-C after its first commit (a hook of git
+    am waits there) stops git am, and the tool aborts it: the checkout is as before."""
+    base = _te_checkout(tree, monkeypatch)
     marker = tmp_path / "first-patch-applied"
     hook = tree / ".git" / "hooks" / "post-applypatch"
     hook.write_text(f'#!/bin/sh\ntouch "{marker}"\nsleep 60\n')
     hook.chmod(0o755)
     scratch = tmp_path / "tmpdir"
     scratch.mkdir()
-    with subprocess.Popen(
-        [sys.executable, "-m", "te_fusedadam_offload", "apply", str(tree)],
-        env=tool_env(TMPDIR=str(scratch)),
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        start_new_session=True,
-    ) as proc:
-        deadline = time.monotonic() + 120
-        while not marker.exists() and proc.poll() is None and time.monotonic() < deadline:
-            time.sleep(0.05)
-        assert marker.exists(), proc.communicate()
-        os.killpg(proc.pid, signal.SIGINT)
-        stdout, stderr = proc.communicate()
-    assert proc.returncode == 130 and stdout == "", stderr
+    returncode, stdout, stderr = _ctrl_c_once(
+        ["apply", str(tree)], marker, tool_env(TMPDIR=str(scratch)), wait_s=120, poll_s=0.05
+    )
+    assert returncode == 130 and stdout == "", stderr
     assert stderr.count("\n") == 1 and "(status: not applied)" in stderr, stderr
     assert git(["rev-parse", "HEAD"], tree) == base
     assert not (tree / ".git" / "rebase-apply").exists()
     assert git(["status", "--porcelain", "--untracked-files=no"], tree) == ""
     assert not list(scratch.iterdir())
-
-
-def _applied_checkout(tree, monkeypatch):
-    """`tree` as a git checkout of the pinned main with the series applied as commits; the
-    commit before them."""
-    if mainline.main_tree() is None:
-        pytest.skip("the pinned main tree is not at hand (the series' test files need it)")
-    as_main(tree, monkeypatch)
-    git(["init", "-q", "-b", "main"], tree)
-    git(["add", "-A"], tree)
-    git(["commit", "-qm", "TE"], tree)
-    base = git(["rev-parse", "HEAD"], tree)
-    assert run_tool(["apply", str(tree)]).returncode == 0
-    return base
 
 
 def test_ctrl_c_during_the_git_reset_of_a_checkout_revert_lets_it_finish(
@@ -481,21 +490,10 @@ def test_ctrl_c_during_the_git_reset_of_a_checkout_revert_lets_it_finish(
     )
     wrapper.chmod(0o755)
     env = tool_env(PATH=f"{bin_dir}{os.pathsep}{os.environ['PATH']}")
-    with subprocess.Popen(
-        [sys.executable, "-m", "te_fusedadam_offload", "revert", str(tree)],
-        env=env,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        start_new_session=True,
-    ) as proc:
-        deadline = time.monotonic() + 60
-        while not marker.exists() and proc.poll() is None and time.monotonic() < deadline:
-            time.sleep(0.02)
-        assert marker.exists(), proc.communicate()
-        os.killpg(proc.pid, signal.SIGINT)
-        stdout, stderr = proc.communicate()
-    assert proc.returncode == 130 and stdout == "", stderr
+    returncode, stdout, stderr = _ctrl_c_once(
+        ["revert", str(tree)], marker, env, wait_s=60, poll_s=0.02
+    )
+    assert returncode == 130 and stdout == "", stderr
     assert stderr.count("\n") == 1 and "(status: not applied)" in stderr, stderr
     assert git(["rev-parse", "HEAD"], tree) == base
     assert git(["status", "--porcelain", "--untracked-files=no"], tree) == ""
