@@ -8,7 +8,7 @@ import re
 import shutil
 from pathlib import Path
 
-from setuptools import setup
+from setuptools import find_packages, setup
 from setuptools.command.build_py import build_py
 
 HERE = Path(__file__).resolve().parent
@@ -48,7 +48,8 @@ setup(
     long_description_content_type="text/markdown",
     license="Apache-2.0",
     python_requires=">=3.10",
-    packages=[MODULE],
+    # The package and its subpackages.
+    packages=find_packages(include=[MODULE, MODULE + ".*"]),
     install_requires=['tomli>=1.1; python_version < "3.11"'],
     # The tool needs no torch; the stager (and gpu_check) do. No version bound, so that pip
     # never replaces the torch of an environment (a container's CUDA build, say): the README
