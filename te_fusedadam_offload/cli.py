@@ -23,6 +23,7 @@ from .errors import (
     is_interrupt,
     quiet_lost_interrupts,
 )
+from .lock import locked
 from .maintainers import MAINTAINERS_COMMANDS, add_commands
 from .paths import repo_root
 from .saved import remove_stale_files
@@ -33,8 +34,12 @@ from .target import find_target, older_than_supported, te_version
 from .upstream import load_pin
 
 
-def _target(args):
+def _target(args, changes=False):
+    """The target of the command, locked for it (lock.py) until the command ends: exclusively
+    for one that `changes` it (apply, revert), shared for one that reads it."""
     args.target = find_target(args.path, args.installed, args.python)
+    args.stack.enter_context(locked(args.target, changes, args.command))
+    args.locked = True
     return args.target
 
 
@@ -98,7 +103,7 @@ def cmd_check(args):
 def cmd_apply(args):
     """Apply the series (idempotent, all or nothing); with --dry-run, show what it would
     change and change nothing."""
-    target, patches = _target(args), stack_prefix(args.upto)
+    target, patches = _target(args, changes=not args.dry_run), stack_prefix(args.upto)
     if args.dry_run:
         message, diff = dry_run(target, patches)
         sys.stdout.write(diff)
@@ -113,7 +118,7 @@ def cmd_apply(args):
 
 def cmd_revert(args):
     """Take the series out, restoring the exact files it changed."""
-    target = _target(args)
+    target = _target(args, changes=True)
     message = revert(target, args.discard_edits)
     files = [f"  {rel}: {what}" for rel, what in file_report(State(target), NOT_APPLIED)]
     _done(f"{target}: {message}", *files)
@@ -243,6 +248,8 @@ def _interrupted(args):
     target = args.target
     if args.command not in ("apply", "revert") or getattr(args, "dry_run", False):
         return f"interrupted; nothing was changed ({args.command} only reads)"
+    if not getattr(args, "locked", False):
+        return "interrupted while it waited for another run on the TE; nothing was changed"
     try:
         if target.kind != "checkout":
             remove_stale_files(target)  # what the next apply or revert would remove first
@@ -289,6 +296,7 @@ def main(argv=None, command=False):
     tempdir = tempfile.tempdir
     scratch = tempfile.tempdir = tempfile.mkdtemp(prefix="te-fusedadam-offload-")
     args = None
+    lock = contextlib.ExitStack()  # the target's lock, held until what it left is said
     try:
         signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
         given = sys.argv[1:] if argv is None else argv
@@ -301,6 +309,7 @@ def main(argv=None, command=False):
             )
             return EXIT_USAGE
         args = build_parser().parse_args(argv)
+        args.stack = lock
         code = _run(args)
         signal.signal(signal.SIGINT, signal.SIG_IGN)  # the work is done: a Ctrl-C from here on
         return code  # is ignored (one just before is raised here, in the try)
@@ -315,6 +324,7 @@ def main(argv=None, command=False):
         return EXIT_INTERRUPTED
     finally:
         signal.signal(signal.SIGINT, signal.SIG_IGN)
+        lock.close()
         shutil.rmtree(scratch, ignore_errors=True)
         tempfile.tempdir = tempdir
         if not command:
