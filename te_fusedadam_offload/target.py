@@ -2,6 +2,7 @@
 holds, and the releases the series supports."""
 
 import json
+import os
 import re
 import shutil
 import subprocess
@@ -208,6 +209,8 @@ def find_target(path=None, installed=False, python=None):
     """The target named by a path, or the TE that this Python (or `python`) imports."""
     if installed or python is not None or path is None:
         python = python or sys.executable
+        if os.sep in python:  # a path (venv/bin/python): from here, not from where it is run
+            python = os.path.abspath(python)
         root = _installed_location(python)
         if root is None:
             where = "this Python environment" if python == sys.executable else python

@@ -14,6 +14,7 @@ from support import (
     FUSED_ADAM,
     REPO,
     drift_context,
+    file_state,
     git,
     listing,
     purelib,
@@ -255,6 +256,21 @@ def test_python_that_is_not_one_exits_4_with_a_one_line_reason(tmp_path):
         assert len(lines) == 1 and lines[0].startswith(lead), (python, lines)
         assert reason in lines[0], (python, lines[0])
         assert "find_spec" not in lines[0] and result.stdout == ""
+
+
+def test_python_given_by_a_relative_path_is_found_from_the_current_directory(tree, tmp_path):
+    """--python venv2/bin/python said "cannot run it: No such file or directory": the
+    interpreter was run from "/". The path is taken from the current directory, as a shell
+    takes it."""
+    python = tmp_path / "venv2" / "bin" / "python"
+    python.parent.mkdir(parents=True)
+    python.write_text(f"#!/bin/sh\nPYTHONPATH={tree} exec {sys.executable} \"$@\"\n")
+    python.chmod(0o755)
+    result = run_tool(["status", "--python", "venv2/bin/python"], cwd=tmp_path)
+    assert result.returncode == 1, result.stderr  # found, not applied
+    assert result.stdout.startswith(f"installed TE at {tree.resolve()}: not applied\n")
+    result = run_tool(["apply", "--python", "venv2/bin/python"], cwd=tmp_path)
+    assert result.returncode == 0 and file_state(tree) == "patched", result.stderr
 
 
 USER_COMMANDS = ["apply", "status", "check", "revert"]
