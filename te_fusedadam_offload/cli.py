@@ -80,23 +80,25 @@ def cmd_status(args):
 
 
 def cmd_check(args):
-    """Exit 0 if the series is applied or apply would apply it (or complete it, or replace
-    another version of it), 1 if the target drifted, is a TE older than supported, or is
-    installed from a git checkout (apply names the command for the checkout)."""
+    """Verify that the series is in, as a CI line does before training (te-fusedadam-offload
+    check && train): exit 0 if it is applied, 1 if it is not (not applied, interrupted,
+    drifted), with what apply would do about it. apply --dry-run tells whether apply would
+    succeed."""
     state = State(_target(args))
     overall, found = _print_status(state), te_version(state.target)
+    if overall == APPLIED:
+        return 0
     if overall == NOT_APPLIED and older_than_supported(found):
-        print(f"  TE {found} is older than the releases the series supports")
-        return 1
-    if overall != APPLIED and (state.target.source_checkout or state.edited):
+        print(f"  TE {found} is older than the releases the series supports; apply refuses it")
+    elif state.target.source_checkout or state.edited:
         for note in notes(state, overall):
             print(f"  {note}")
-        return 1
-    if overall != DRIFTED:
-        return 0
-    if state.other_version:
+    elif overall == DRIFTED and state.other_version:
         print("  another version of this series is applied; apply replaces it")
-        return 0
+    elif overall == DRIFTED:
+        print("  apply refuses a drifted TE; status says what drifted")
+    else:
+        print(f"  the series is not in: te-fusedadam-offload apply {state.target.args} puts it in")
     return 1
 
 

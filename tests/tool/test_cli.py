@@ -150,7 +150,9 @@ def test_no_installed_te_is_a_clear_error(tmp_path, tool_home):
 
 def test_status_and_check_exit_codes(tree):
     assert run_tool(["status", str(tree)]).returncode == 1  # not applied
-    assert run_tool(["check", str(tree)]).returncode == 0  # applies
+    result = run_tool(["check", str(tree)])  # not in: a CI line must not go on
+    assert result.returncode == 1
+    assert result.stdout.endswith(f"te-fusedadam-offload apply {tree.resolve()} puts it in\n")
     assert run_tool(["apply", str(tree)]).returncode == 0
     assert run_tool(["status", str(tree)]).returncode == 0  # applied
     assert run_tool(["check", str(tree)]).returncode == 0
@@ -312,7 +314,7 @@ def test_installed_tool_has_only_the_users_commands(installed_tool, tmp_path):
 def test_quiet_prints_nothing_and_keeps_the_exit_status(tree):
     """-q: nothing on stdout (check is used for its exit status); errors still on stderr."""
     for args, code in (
-        (["check"], 0),
+        (["check"], 1),
         (["status"], 1),
         (["apply"], 0),
         (["status"], 0),

@@ -136,7 +136,7 @@ def test_an_apply_stopped_between_two_files_reads_as_interrupted_and_apply_compl
     assert "  1-synthetic/0002-synthetic.patch: interrupted (an apply or revert" in result.stdout
     assert f"  {FUSED_ADAM}: TE 2.20.2's, patched by this series\n" in result.stdout
     assert f"  {FUSED_SGD}: as released in TE 2.20.2\n" in result.stdout
-    assert _tool(["check", str(tree)], two_files).returncode == 0
+    assert _tool(["check", str(tree)], two_files).returncode == 1
     result = _tool(["apply", str(tree)], two_files)
     assert result.stdout.endswith("completed an interrupted apply (1 file(s) written)\n")
     assert _two_states(tree, two_files) == ["patched", "patched"]
