@@ -4,7 +4,7 @@ series changes is, the notes that status prints, and why apply or revert refuse.
 from .errors import ToolError
 from .saved import file_digest
 from .series import load_checksums
-from .state import NOT_APPLIED
+from .state import NOT_APPLIED, NOT_FOR_TARGET
 from .target import older_than_supported, supported_range, te_version
 from .upstream import load_pin
 
@@ -41,9 +41,23 @@ def file_report(state, overall=None):
             report.append((rel, "missing"))
         elif digest == released:
             report.append((rel, f"as released in TE {pinned}"))
-        elif rel in patched:
-            of = pinned if patched[rel] == released else other or "of another version"
-            report.append((rel, f"TE {of}'s, patched by this series"))
+        elif rel in patched and (patched[rel] == released or other):
+            report.append(
+                (
+                    rel,
+                    f"TE {pinned if patched[rel] == released else other}'s, patched by this series",
+                )
+            )
+        elif rel in patched:  # edited before apply, on the pinned release
+            report.append(
+                (
+                    rel,
+                    (
+                        "patched by this series over a file that was not as released in TE"
+                        f" {pinned} (revert gives that file back)"
+                    ),
+                )
+            )
         elif (state.saved or {}).get(rel) == "patched" and state.other_version:
             report.append((rel, "patched by another version of this series; apply replaces it"))
         elif overall == NOT_APPLIED and other:
@@ -144,7 +158,9 @@ def drift_message(target, rows, action, edited=(), saved=True):
             )
     lines = [f"cannot {action}: {lead}"]
     lines += [
-        f"  {name}: {state}" + (f" ({detail})" if detail else "") for name, state, detail in rows
+        f"  {name}: {state}" + (f" ({detail})" if detail else "")
+        for name, state, detail in rows
+        if state != NOT_FOR_TARGET
     ]
     lines.append(f"What to do: {advice}.")
     return "\n".join(lines)

@@ -18,7 +18,7 @@ from .errors import ToolError
 from .patching import all_apply, failure, offsets
 from .saved import Backup, fault, patch_ids, sha256
 from .series import compat_patches, patch_files, patch_label
-from .target import Target, te_version
+from .target import Target, older_than_supported, supported_range, te_version
 
 APPLIED, NOT_APPLIED, DRIFTED = "applied", "not applied", "drifted"
 INTERRUPTED = "interrupted"
@@ -221,6 +221,22 @@ class State:
             for i, patch in enumerate(relevant):
                 rows[patch_label(patch)] = (APPLIED if i < self.applied else NOT_APPLIED, "")
             return report(INTERRUPTED)
+        found = te_version(target)
+        if older_than_supported(found) and not self.saved:
+            # A release the series was never made for: not "drifted" (the word for files
+            # changed since), but not applied, with why apply refuses it.
+            oldest, pinned = supported_range()
+            rows.update({patch_label(p): (NOT_APPLIED, "") for p in relevant})
+            for patch, result in forward:
+                why = "" if result.returncode == 0 else f": {failure(result, patch)}"
+                rows[patch_label(patch)] = (
+                    NOT_APPLIED,
+                    (
+                        f"TE {found} is older than the releases the series supports, {oldest} to "
+                        f"{pinned}{why}"
+                    ),
+                )
+            return report(NOT_APPLIED)
         for patch in relevant:  # where applying it stops, and why
             rows[patch_label(patch)] = (NOT_CHECKED, "an earlier patch does not apply")
         for patch, result in forward:

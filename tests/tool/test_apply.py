@@ -207,6 +207,15 @@ def test_a_file_edited_before_apply_is_not_called_released_and_its_edit_is_kept(
     ]
     actions.apply(t)
     assert (tree / FUSED_ADAM).read_bytes().endswith(b"# a local edit\n")
+    assert report.file_report(state.State(t)) == [  # not "TE of another version's"
+        (
+            FUSED_ADAM,
+            (
+                "patched by this series over a file that was not as released in TE 2.20.2 (revert "
+                "gives that file back)"
+            ),
+        )
+    ]
     actions.revert(t)
     assert (tree / FUSED_ADAM).read_bytes() == edited
 
@@ -427,6 +436,17 @@ def test_release_older_than_supported_is_refused_with_the_range(tmp_path):
     for command in ("apply", "status", "check"):
         result = run_tool([command, str(site)])
         assert result.returncode == 1, command
+    # Not "drifted" (the word for local edits): not applied, and why apply refuses it.
+    result = run_tool(["status", str(site)])
+    assert result.stdout.startswith(f"tree TE at {site}: not applied\n")
+    assert "drifted" not in result.stdout
+    assert (
+        f"not applied (TE 2.13.0 is older than the releases the series supports, 2.14.0 to {pin}"
+        in result.stdout
+    )
+    assert "not for this target" not in result.stdout
+    result = run_tool(["revert", str(site)])  # nothing to take out
+    assert result.returncode == 0 and "not applied; nothing to do" in result.stdout
     result = run_tool(["apply", str(site)])
     assert (
         f"found TE 2.13.0 at {site}; this series supports TE 2.14.0 to {pin} (made and tested "
