@@ -29,7 +29,7 @@ from .paths import repo_root
 from .saved import remove_stale_files
 from .series import stack_prefix
 from .report import file_report, notes
-from .state import APPLIED, DRIFTED, NOT_APPLIED, State
+from .state import APPLIED, DRIFTED, NOT_APPLIED, NOT_FOR_TARGET, State
 from .target import find_target, older_than_supported, te_version
 from .upstream import load_pin
 
@@ -46,6 +46,8 @@ def _target(args, changes=False):
 def _print_status(state):
     print(f"{state.target}: {state.overall}")
     for name, what, detail in state.rows:
+        if what == NOT_FOR_TARGET:  # tests and docs: for a source checkout only; --json has them
+            continue
         print(f"  {name}: {what}" + (f" ({detail})" if detail else ""))
     return state.overall
 
@@ -157,7 +159,20 @@ def build_parser(maintainers=None):
         epilog=EXIT_CODES,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    parser.add_argument("--version", action="version", version=__version__)
+    pin = load_pin()
+    parser.add_argument(
+        "--version",
+        action="version",
+        version=(
+            f"%(prog)s {__version__} (the series for TE {pin['version']}, made against TE main "
+            f"{pin['main']['commit'][:9]})"
+        ),
+    )
+    quiet = (
+        "print nothing on standard output: the exit status tells (errors still go to standard "
+        "error)"
+    )
+    parser.add_argument("-q", "--quiet", action="store_true", help=quiet)
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     def add(name, func, help_text):
@@ -197,15 +212,8 @@ def build_parser(maintainers=None):
                 "tool installed elsewhere, e.g. with pipx): --python /path/to/venv/bin/python"
             ),
         )
-        p.add_argument(
-            "-q",
-            "--quiet",
-            action="store_true",
-            help=(
-                "print nothing on standard output: the exit status tells (errors still go to "
-                "standard error)"
-            ),
-        )
+        # Before or after the command; here without a default, which would undo one before.
+        p.add_argument("-q", "--quiet", action="store_true", default=argparse.SUPPRESS, help=quiet)
         if name == "apply":
             p.add_argument(
                 "--dry-run",

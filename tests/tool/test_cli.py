@@ -1,6 +1,7 @@
 """The command line as users meet it: targets, exit statuses, messages, help, and how much
 git work each command does."""
 
+import json
 import os
 import re
 import shutil
@@ -190,7 +191,28 @@ def test_the_module_runs_from_a_te_checkout(tmp_path):
     (tmp_path / "build_tools" / "__init__.py").write_text("")
     result = run_tool(["--version"], cwd=tmp_path)
     assert result.returncode == 0, result.stderr
-    assert result.stdout.strip() == te_fusedadam_offload.__version__
+    assert result.stdout.startswith(f"te-fusedadam-offload {te_fusedadam_offload.__version__} ")
+
+
+def test_version_names_the_tool_and_the_release_of_the_series(tmp_path):
+    """--version printed a bare 0.1.0."""
+    pin = upstream.load_pin()
+    result = run_tool(["--version"], cwd=tmp_path)
+    assert (
+        result.stdout
+        == f"te-fusedadam-offload {te_fusedadam_offload.__version__} (the series for TE "
+        f"{pin['version']}, made against TE main {pin['main']['commit'][:9]})\n"
+    )
+
+
+def test_status_prints_no_line_for_the_patches_that_are_not_for_the_target(tree):
+    """status printed four 'not for this target (tests and docs go to source checkouts only)'
+    lines on every run; --json still lists every patch."""
+    result = run_tool(["status", str(tree)])
+    assert "not for this target" not in result.stdout
+    assert len(result.stdout.splitlines()) == 1 + len(release_patches()) + 1  # + fused_adam.py
+    found = json.loads(run_tool(["status", "--json", str(tree)]).stdout)
+    assert len(found["patches"]) == len(series.patch_files())
 
 
 def test_the_package_directory_itself_gets_a_hint(tree):
@@ -266,7 +288,7 @@ def test_python_given_by_a_relative_path_is_found_from_the_current_directory(tre
     takes it."""
     python = tmp_path / "venv2" / "bin" / "python"
     python.parent.mkdir(parents=True)
-    python.write_text(f"#!/bin/sh\nPYTHONPATH={tree} exec {sys.executable} \"$@\"\n")
+    python.write_text(f'#!/bin/sh\nPYTHONPATH={tree} exec {sys.executable} "$@"\n')
     python.chmod(0o755)
     result = run_tool(["status", "--python", "venv2/bin/python"], cwd=tmp_path)
     assert result.returncode == 1, result.stderr  # found, not applied
@@ -326,6 +348,8 @@ def test_quiet_prints_nothing_and_keeps_the_exit_status(tree):
     drift_context(tree)
     result = run_tool(["check", "-q", str(tree)])
     assert (result.returncode, result.stdout, result.stderr) == (1, "", "")
+    result = run_tool(["-q", "check", str(tree)])  # -q before the command was refused
+    assert (result.returncode, result.stdout, result.stderr) == (1, "", "")
     result = run_tool(["apply", "-q", str(tree)])
     assert result.returncode == 1 and result.stdout == ""
     assert result.stderr.startswith("te-fusedadam-offload apply: error: cannot apply:")
@@ -335,7 +359,7 @@ def test_drift_message_keeps_its_parentheses_and_fits_a_directory(tree):
     drift_context(tree)
     message = run_tool(["apply", str(tree)]).stderr
     assert ": not checked (an earlier patch does not apply)" in message
-    assert ": not for this target (tests and docs go to source checkouts only)" in message
+    assert ": not for this target" not in message
     assert "pip install" not in message  # a directory, not an installed TE
     assert "What to do: put the files of a supported TE" in message
 
