@@ -69,8 +69,10 @@ def test_a_killed_holder_of_the_lock_does_not_block_the_next_run(tree, tmp_path)
         [
             sys.executable,
             "-c",
-            "import fcntl, os, sys, time; fd = os.open(sys.argv[1], os.O_RDONLY); "
-            "fcntl.flock(fd, fcntl.LOCK_EX); print('locked', flush=True); time.sleep(600)",
+            (
+                "import fcntl, os, sys, time; fd = os.open(sys.argv[1], os.O_RDONLY); "
+                "fcntl.flock(fd, fcntl.LOCK_EX); print('locked', flush=True); time.sleep(600)"
+            ),
             str(tree / "transformer_engine"),
         ],
         stdout=subprocess.PIPE,
