@@ -102,11 +102,23 @@ def _apply_checkout(state):
         return "already applied; nothing to do"
     if state.overall == DRIFTED:
         raise ToolError(drift_message(state.target, state.rows, "apply"))
-    root = state.target.root
+    target, root, patches = state.target, state.target.root, state.relevant
     if git(["status", "--porcelain", "--untracked-files=no"], root).stdout.strip():
         raise ToolError(f"{root} has uncommitted changes; commit or stash them first")
-    git_am(root, state.series)
-    return f"applied {len(state.series)} patches as commits with git am"
+    if any(p not in state.series for p in patches):  # a compat patch: no commit message
+        raise ToolError(
+            f"{root} is a checkout of TE {te_version(target)}, which needs a compat patch before "
+            "the series: a checkout gets the series as commits from TE 2.17.0 on; patch its "
+            "files in place instead (te-fusedadam-offload apply --installed, or a copy of "
+            f"its {target.subtree}/ directory)"
+        )
+    git_am(root, patches, include=target.include)
+    if target.release_checkout:
+        return (
+            f"applied {len(patches)} patches as commits with git am: their changes to "
+            f"{target.subtree}/ (the series' tests and docs are made against TE main)"
+        )
+    return f"applied {len(patches)} patches as commits with git am"
 
 
 def revert(target, discard_edits=False):
@@ -191,7 +203,7 @@ def _restore_saved(state, discard=()):
 def _revert_checkout(state):
     if state.overall == NOT_APPLIED:
         return "not applied; nothing to do"
-    patches, root = patch_files(), state.target.root
+    patches, root = state.relevant, state.target.root
     subjects = [_subject(p) for p in patches]
     log = git(["log", "--format=%s", f"-{len(patches)}"], root).stdout.splitlines()
     if list(reversed(log)) != subjects:
@@ -244,7 +256,7 @@ def dry_run(target, patches=None):
         if state.overall == DRIFTED:
             raise ToolError(drift_message(target, state.rows, "apply"))
         contents = state.after if state.overall == NOT_APPLIED else {}
-        return f"would apply {len(state.series)} patches as commits with git am", _diff(
+        return f"would apply {len(state.relevant)} patches as commits with git am", _diff(
             target.root, contents
         )
     target.refuse_leftover()

@@ -134,13 +134,15 @@ def offsets(result):
     return re.findall(r"Hunk #\d+ succeeded at \d+ \(offset -?\d+ lines?\)", result.stderr)
 
 
-def git_am(repo, patches, env=None, what="git am"):
+def git_am(repo, patches, env=None, what="git am", include=()):
     """`git am --keep-non-patch` of `patches` in the git repository `repo` (the option keeps
-    the `[PyTorch]` title prefixes); if one does not apply, the am is aborted and ToolError
-    says `what` failed, with git's output; interrupted, it is aborted too."""
+    the `[PyTorch]` title prefixes), restricted to the paths of `include` (git apply --include
+    patterns) if any; if one does not apply, the am is aborted and ToolError says `what`
+    failed, with git's output; interrupted, it is aborted too."""
     head = git(["rev-parse", "HEAD"], repo, env).stdout.strip()
+    args = ["am", "--keep-non-patch", *(f"--include={pattern}" for pattern in include)]
     try:
-        result = git(["am", "--keep-non-patch", *map(str, patches)], repo, env, check=False)
+        result = git([*args, *map(str, patches)], repo, env, check=False)
     except KeyboardInterrupt:  # git am stopped too (or ended): take back the commits it made
         signal.signal(signal.SIGINT, signal.SIG_IGN)
         git(["am", "--abort"], repo, env, check=False)  # which keeps them when interrupted

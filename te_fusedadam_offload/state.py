@@ -36,7 +36,8 @@ def _scratch_copy(target, files, originals, scratch):
             dst.write_bytes(originals[rel])
         elif src.is_file():
             shutil.copyfile(src, dst)
-    return Target(scratch, target.kind)
+    # A checkout of a release takes what a tree takes (Target.release_checkout).
+    return Target(scratch, "tree" if target.release_checkout else target.kind)
 
 
 def simulate(target, patches, reverse=False, originals=None, contents=None):

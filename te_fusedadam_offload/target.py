@@ -93,15 +93,28 @@ class Target:
                 f"{self.root / self.subtree / BACKUP_DIR}"
             )
 
+    @cached_property
+    def release_checkout(self):
+        """Whether this is a git checkout of a TE release (its build_tools/VERSION.txt says
+        2.20.2, where main's says 2.21.0.dev0): the series' tests and docs are made against
+        main, so it gets the series' changes to transformer_engine/ only, as commits."""
+        version = te_version(self) if self.kind == "checkout" else None
+        return version is not None and re.fullmatch(r"\d+\.\d+\.\d+", version) is not None
+
+    @property
+    def whole_series(self):
+        """Whether this target takes every file of the series (a checkout of main)."""
+        return self.kind == "checkout" and not self.release_checkout
+
     @property
     def include(self):
         """The paths of a patch that this target holds (git apply --include patterns)."""
-        return [] if self.kind == "checkout" else [f"{self.subtree}/*"]
+        return [] if self.whole_series else [f"{self.subtree}/*"]
 
     def touches(self, patch):
-        """The files of this target that a patch changes (all of them in a checkout)."""
+        """The files of this target that a patch changes (all of them in a checkout of main)."""
         files = touched(patch)
-        if self.kind == "checkout":
+        if self.whole_series:
             return files
         return [rel for rel in files if rel.startswith(self.subtree + "/")]
 

@@ -116,6 +116,43 @@ def test_te_installed_from_a_git_checkout_is_refused_with_the_command_for_the_ch
     assert git(["status", "--porcelain", "--ignored"], tree) == ""
 
 
+def test_te_installed_from_a_git_checkout_of_a_release_gets_the_series_as_commits(
+    tree, pristine, tmp_path, tool_home
+):
+    """apply --installed sent a TE installed from a checkout of a release to 'apply
+    /path/to/checkout', which refused it as drifted from main (the series' tests and docs are
+    made against main). The checkout of a release gets the series' changes to
+    transformer_engine/ as commits; revert takes them out."""
+    (tree / "build_tools").mkdir()
+    (tree / "build_tools" / "VERSION.txt").write_text(upstream.load_pin()["version"] + "\n")
+    git(["init", "-q", "-b", "release"], tree)
+    git(["add", "-A"], tree)
+    git(["commit", "-qm", "TE"], tree)
+    venv = tmp_path / "venv"
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True)
+    (purelib(venv / "bin" / "python") / "te-source.pth").write_text(f"{tree}\n")
+    root = tree.resolve()
+    result = run_tool(["apply", "--python", str(venv / "bin" / "python")], pythonpath=tool_home)
+    assert result.returncode == 1 and f"te-fusedadam-offload apply {root}" in result.stderr
+
+    result = run_tool(["apply", str(root)], pythonpath=tool_home)
+    assert result.returncode == 0, result.stderr
+    assert f"applied {len(release_patches())} patches as commits with git am" in result.stdout
+    subjects = git(["log", "--format=%s"], tree).splitlines()
+    assert (
+        len(subjects) == len(release_patches()) + 1 and git(["status", "--porcelain"], tree) == ""
+    )
+    assert file_state(tree) == "patched"
+    changed = git(["diff", "--name-only", "HEAD~" + str(len(release_patches()))], tree).split()
+    assert changed == [FUSED_ADAM]
+    assert run_tool(["status", "-q", str(root)], pythonpath=tool_home).returncode == 0
+    result = run_tool(["apply", str(root)], pythonpath=tool_home)
+    assert result.stdout.endswith("already applied; nothing to do\n")
+    result = run_tool(["revert", str(root)], pythonpath=tool_home)
+    assert result.returncode == 0, result.stderr
+    assert git(["log", "--format=%s"], tree) == "TE\n" and file_state(tree) == "pristine"
+
+
 def test_state_is_found_once(tree, tmp_path):
     """Counted with a git on PATH that logs its calls, against the issue's bounds (apply on a
     fresh TE: 5 git processes at most; status on it, and apply, status and check after the
