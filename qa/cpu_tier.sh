@@ -46,7 +46,7 @@ WORK=$(mktemp -d)
 trap 'rm -rf "$WORK"' EXIT
 
 main_tree() {  # the pinned main tree (exported into the cache the first time), or nothing
-    python -c 'from te_fusedadam_offload.mainline import main_tree
+    python -c 'from te_fusedadam_offload.maintainers.mainline import main_tree
 print(main_tree() or "")'
 }
 no_main_tree() {  # a step that failed: the checks that need the tree say so
@@ -56,7 +56,7 @@ no_main_tree() {  # a step that failed: the checks that need the tree say so
 if ! MAIN_TREE=$(main_tree); then
     no_main_tree
 elif [ -z "$MAIN_TREE" ]; then
-    read -r MAIN_REPO MAIN_COMMIT < <(python -c 'from te_fusedadam_offload.mainline import load_main_pin
+    read -r MAIN_REPO MAIN_COMMIT < <(python -c 'from te_fusedadam_offload.maintainers.mainline import load_main_pin
 m = load_main_pin(); print(m["repository"], m["commit"])')
     echo "=== no TE source, no archive of the pinned main tree: a shallow fetch of $MAIN_COMMIT"
     if git init -q "$WORK/te-source" && GIT_TERMINAL_PROMPT=0 timeout 300 \
@@ -64,7 +64,7 @@ m = load_main_pin(); print(m["repository"], m["commit"])')
         export TE_SOURCE="$WORK/te-source"
         MAIN_TREE=$(main_tree) || no_main_tree
     else
-        NO_MAIN="$(python -c 'from te_fusedadam_offload.mainline import NO_MAIN_TREE
+        NO_MAIN="$(python -c 'from te_fusedadam_offload.maintainers.mainline import NO_MAIN_TREE
 print(NO_MAIN_TREE)'); and $MAIN_REPO is not reachable from here"
     fi
 fi

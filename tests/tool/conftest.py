@@ -10,7 +10,8 @@ import zipfile
 import pytest
 from support import FUSED_ADAM, FUSED_SGD, REPO, git
 
-from te_fusedadam_offload import maintainers, paths, upstream
+from te_fusedadam_offload import paths, upstream
+from te_fusedadam_offload.maintainers import commands as maintainers
 from te_fusedadam_offload.patching import apply_in_order
 
 

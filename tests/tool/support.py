@@ -10,7 +10,8 @@ import sys
 import zipfile
 from pathlib import Path
 
-from te_fusedadam_offload import actions, mainline, saved, series, state, upstream
+from te_fusedadam_offload import actions, saved, series, state, upstream
+from te_fusedadam_offload.maintainers import mainline
 
 REPO = Path(__file__).resolve().parents[2]
 FUSED_ADAM = "transformer_engine/pytorch/optimizers/fused_adam.py"

@@ -22,17 +22,8 @@ from support import (
     site_of_release,
 )
 
-from te_fusedadam_offload import (
-    actions,
-    cli,
-    drift,
-    report,
-    saved,
-    series,
-    state,
-    target,
-    upstream,
-)
+from te_fusedadam_offload import actions, cli, report, saved, series, state, target, upstream
+from te_fusedadam_offload.maintainers import drift
 from te_fusedadam_offload.errors import ToolError
 
 

@@ -26,7 +26,8 @@ from support import (
 )
 
 import te_fusedadam_offload
-from te_fusedadam_offload import mainline, maintainers, series, target, upstream
+from te_fusedadam_offload import series, target, upstream
+from te_fusedadam_offload.maintainers import commands as maintainers, mainline
 
 
 def _run_cli(args, pythonpath, cwd, tool_home):

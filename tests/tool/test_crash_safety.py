@@ -22,7 +22,8 @@ from support import (
     tool_env,
 )
 
-from te_fusedadam_offload import cli, mainline, report
+from te_fusedadam_offload import cli, report
+from te_fusedadam_offload.maintainers import mainline
 
 
 # The files apply writes: the saved original, the state file, then fused_adam.py; each is

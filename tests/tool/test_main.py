@@ -6,16 +6,8 @@ import shutil
 import pytest
 from support import DOCS_PAGE, FUSED_ADAM, as_main, drift_context, git
 
-from te_fusedadam_offload import (
-    actions,
-    mainline,
-    maintainers,
-    patching,
-    series,
-    state,
-    target,
-    upstream,
-)
+from te_fusedadam_offload import actions, patching, series, state, target, upstream
+from te_fusedadam_offload.maintainers import commands as maintainers, mainline
 from te_fusedadam_offload.errors import ToolError
 
 

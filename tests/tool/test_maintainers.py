@@ -8,17 +8,8 @@ import sys
 import pytest
 from support import FUSED_ADAM, as_main, drift_context, git, release_patches, tool_env
 
-from te_fusedadam_offload import (
-    cli,
-    drift,
-    generate,
-    maintainers,
-    patching,
-    series,
-    state,
-    target,
-    upstream,
-)
+from te_fusedadam_offload import cli, patching, series, state, target, upstream
+from te_fusedadam_offload.maintainers import commands as maintainers, drift, generate
 from te_fusedadam_offload.errors import ToolError
 
 

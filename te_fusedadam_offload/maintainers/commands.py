@@ -8,13 +8,13 @@ import tempfile
 from pathlib import Path
 
 from .drift import CONFLICT, drift
-from .errors import EXIT_NEEDS, EXIT_NO, ToolError, UsageError
+from ..errors import EXIT_NEEDS, EXIT_NO, ToolError, UsageError
 from .generate import compare_dirs, generate
 from .mainline import MAIN_DIR, NO_MAIN_TREE, check_main, main_tree
-from .patching import apply_in_order
-from .paths import repo_root
+from ..patching import apply_in_order
+from ..paths import repo_root
 from .review import lint, signed_off
-from .series import (
+from ..series import (
     STAGES_DIR,
     entry_paths,
     load_series,
@@ -24,8 +24,8 @@ from .series import (
     stage_dir,
     staged_paths,
 )
-from .target import Target
-from .upstream import fetch_pinned, load_pin, pristine_tree
+from ..target import Target
+from ..upstream import fetch_pinned, load_pin, pristine_tree
 
 
 def _repo():

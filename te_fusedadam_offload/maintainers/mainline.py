@@ -16,11 +16,11 @@ import tarfile
 import tempfile
 from pathlib import Path
 
-from .errors import ToolError
-from .patching import git, git_am
-from .paths import repo_root
-from .series import identity_env, load_series, patch_files, pr_patch_files
-from .upstream import cache_dir, load_pin, sha256_of
+from ..errors import ToolError
+from ..patching import git, git_am
+from ..paths import repo_root
+from ..series import identity_env, load_series, patch_files, pr_patch_files
+from ..upstream import cache_dir, load_pin, sha256_of
 
 # In a checkout of this repository: the pinned main tree with the series applied (git-ignored),
 # where the series' changes to upstream main files are edited.

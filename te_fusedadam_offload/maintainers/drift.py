@@ -6,12 +6,12 @@ import sys
 import tempfile
 from pathlib import Path
 
-from .errors import NeedsError
-from .patching import failure, offsets
-from .series import patch_label
-from .state import NOT_CHECKED, State
-from .target import Target, older_than_supported, supported_range, version_key
-from .upstream import cache_dir, download_wheel, load_pin, sha256_of, unpack_subtree
+from ..errors import NeedsError
+from ..patching import failure, offsets
+from ..series import patch_label
+from ..state import NOT_CHECKED, State
+from ..target import Target, older_than_supported, supported_range, version_key
+from ..upstream import cache_dir, download_wheel, load_pin, sha256_of, unpack_subtree
 
 CLEAN, OFFSET, CONFLICT = "applies cleanly", "applies with offset", "conflicts"
 

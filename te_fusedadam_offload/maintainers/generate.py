@@ -7,9 +7,9 @@ import shutil
 import tempfile
 from pathlib import Path
 
-from .errors import ToolError
-from .patching import git
-from .series import (
+from ..errors import ToolError
+from ..patching import git
+from ..series import (
     entry_paths,
     identity_env,
     load_series,
@@ -18,7 +18,7 @@ from .series import (
     stage_dir,
     staged_paths,
 )
-from .upstream import load_pin, pristine_tree, sha256_of
+from ..upstream import load_pin, pristine_tree, sha256_of
 
 PLACEHOLDER_SUBJECT = "*** SUBJECT HERE ***"
 PLACEHOLDER_BLURB = "*** BLURB HERE ***"

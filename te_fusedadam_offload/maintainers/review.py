@@ -10,10 +10,10 @@ import tempfile
 from importlib import metadata
 from pathlib import Path
 
-from .errors import ToolError
+from ..errors import ToolError
 from .mainline import load_main_pin
-from .patching import apply_all, git, touched
-from .series import PLACEHOLDER_IDENTITY, patches_dir, pr_patch_files
+from ..patching import apply_all, git, touched
+from ..series import PLACEHOLDER_IDENTITY, patches_dir, pr_patch_files
 
 # What TE's CI runs (qa/L0_pytorch_lint/test.sh, .pre-commit-config.yaml at the pinned main).
 PYLINT_VERSION = "3.3.1"
