@@ -12,9 +12,10 @@ EXIT_INTERRUPTED = 130  # stopped by Ctrl-C (128 + SIGINT), after saying what th
 
 # The table of `te-fusedadam-offload --help` (once: a command's help points at it).
 EXIT_CODES = f"""exit status:
-  0  success (status: the series is applied)
-  {EXIT_NO}  no: not applied, interrupted or drifted (status), drifted (check), refused or stopped
-     (apply, revert: the message says what the files are), a failed check (maintainers)
+  0  success (status, check: the series is applied)
+  {EXIT_NO}  no: the series is not in: not applied, interrupted or drifted (status, check: a CI
+     line runs 'te-fusedadam-offload check && train'); refused or stopped (apply, revert: the
+     message says what the files are); a failed check (maintainers)
   {EXIT_USAGE}  bad arguments; a maintainers' command outside a checkout of the repository
   {EXIT_NO_TARGET}  no TE where named: no such directory, no transformer_engine/ in it, none
      installed in the Python, or only what apply saved left by an uninstall of TE

@@ -189,6 +189,7 @@ def test_no_installed_te_is_a_clear_error(tmp_path, tool_home):
 
 def test_status_and_check_exit_codes(tree):
     assert run_tool(["status", str(tree)]).returncode == 1  # not applied
+    assert "'te-fusedadam-offload check && train'" in run_tool(["--help"]).stdout
     result = run_tool(["check", str(tree)])  # not in: a CI line must not go on
     assert result.returncode == 1
     assert result.stdout.endswith(f"te-fusedadam-offload apply {tree.resolve()} puts it in\n")
