@@ -11,7 +11,7 @@ from pathlib import Path
 
 from .errors import NeedsError, ToolError
 from .patching import all_apply, failure, git, git_am, touched
-from .saved import BACKUP_DIR, checked_state, modes, remove_stale_files, sha256, write_files
+from .saved import BACKUP_DIR, modes, remove_stale_files, replace_files, write_files
 from .series import compat_patches, patch_files, patch_label
 from .report import drift_message
 from .state import APPLIED, DRIFTED, NOT_APPLIED, State
@@ -25,60 +25,48 @@ def apply(target, patches=None):
     by the next one."""
     if target.kind == "checkout":
         return _apply_checkout(State(target, patches))
+    state = _state_to_change(target, patches)
+    if state.from_saved:  # what apply saved is there: this version's, or another's
+        return _complete(state) if state.this_version else _replace_other_version(state)
+    if state.overall == APPLIED:
+        return "already applied; nothing to do"
+    if state.overall == DRIFTED or older_than_supported(te_version(target)):
+        raise ToolError(drift_message(target, state.rows, "apply", state.edited))
+    originals, contents = state.changes()
+    replace_files(state.backup, originals, contents, state.relevant)
+    done = f"applied {len(state.relevant) - state.applied} patch(es) to {target.subtree}/"
+    if state.applied:
+        done += f" (the first {state.applied} were applied already)"
+    if state.saved:
+        done += " (TE was reinstalled or upgraded since the last apply: saved its files afresh)"
+    return done + _version_note(target)
+
+
+def _state_to_change(target, patches):
+    """The State of an installed TE or a directory that apply is about to change, after the
+    checks that it may (not only what an uninstall left, not a git checkout's files) and
+    without what a killed run left: temporary files, and saved originals that restore nothing
+    (no file is patched: TE was reinstalled since, or an apply stopped before it replaced a
+    file)."""
     target.refuse_leftover()
     target.refuse_source_checkout("apply")
     remove_stale_files(target)
     state = State(target, patches)
     if state.saved and set(state.saved.values()) == {"original"}:
-        # Saved, but no file is patched: TE was reinstalled since, or an apply stopped before
-        # it replaced a file. Nothing to complete: start afresh.
         state.backup.remove()
         state = State(target, patches)
-    backup, saved = state.backup, state.saved
-    if state.from_saved:
-        if not state.this_version:
-            return _replace_other_version(state)
-        todo = [rel for rel, s in saved.items() if s == "original"]
-        if not todo:
-            return "already applied; nothing to do"
-        contents = state.after_saved()
-        file_modes = {rel: backup.state[rel]["mode"] for rel in todo}
-        write_files(target, {rel: contents[rel] for rel in todo}, file_modes, "apply")
-        return f"completed an interrupted apply ({len(todo)} file(s) written)"
-    if state.overall == APPLIED:
+    return state
+
+
+def _complete(state):
+    """Write the files that an interrupted apply of this version left original."""
+    todo = [rel for rel, s in state.saved.items() if s == "original"]
+    if not todo:
         return "already applied; nothing to do"
-    if state.overall == DRIFTED or older_than_supported(te_version(target)):
-        raise ToolError(drift_message(target, state.rows, "apply", state.edited))
-    # Not applied, or the first patches only: the files before and after the whole series.
-    originals, contents = state.before, state.after
-    current = {rel: (target.root / rel).read_bytes() for rel in {**originals, **contents}}
-    contents = {rel: data for rel, data in contents.items() if data != current[rel]}
-    originals = {rel: originals.get(rel, current[rel]) for rel in contents}
-    file_modes = modes(target, contents)
-    try:
-        backup.save(originals, file_modes, contents, state.relevant)
-    except OSError as exc:
-        shutil.rmtree(backup.dir, ignore_errors=True)  # not committed: no file was replaced
-        before = {rel: sha256(data) for rel, data in originals.items()}
-        raise ToolError(
-            f"apply stopped: {exc.strerror or exc} while saving the originals in {backup.dir}; "
-            + checked_state(target, before, contents)
-        ) from exc
-    try:
-        write_files(target, contents, file_modes, "apply")
-    except ToolError:
-        if set(backup.states().values()) == {"original"}:  # no file replaced: forget them
-            try:
-                backup.remove()
-            except OSError:
-                pass
-        raise
-    done = f"applied {len(state.relevant) - state.applied} patch(es) to {target.subtree}/"
-    if state.applied:
-        done += f" (the first {state.applied} were applied already)"
-    if saved:
-        done += " (TE was reinstalled or upgraded since the last apply: saved its files afresh)"
-    return done + _version_note(target)
+    contents = state.after_saved()
+    file_modes = {rel: state.backup.state[rel]["mode"] for rel in todo}
+    write_files(state.target, {rel: contents[rel] for rel in todo}, file_modes, "apply")
+    return f"completed an interrupted apply ({len(todo)} file(s) written)"
 
 
 def _replace_other_version(state):

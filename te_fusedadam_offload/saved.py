@@ -208,6 +208,34 @@ def write_files(target, contents, file_modes, action):
             ) from exc
 
 
+def replace_files(backup, originals, contents, patches):
+    """Save the `originals` ({path: bytes}) in `backup`, then write `contents` (what `patches`
+    make of them) over the target's files with their modes: the commit protocol of apply. If
+    saving fails, nothing was replaced and nothing is kept; if writing fails before any file
+    was replaced, the saved originals are forgotten; either way ToolError says what the files
+    are, read back."""
+    target = backup.target
+    file_modes = modes(target, contents)
+    try:
+        backup.save(originals, file_modes, contents, patches)
+    except OSError as exc:
+        shutil.rmtree(backup.dir, ignore_errors=True)  # not committed: no file was replaced
+        before = {rel: sha256(data) for rel, data in originals.items()}
+        raise ToolError(
+            f"apply stopped: {exc.strerror or exc} while saving the originals in {backup.dir}; "
+            + checked_state(target, before, contents)
+        ) from exc
+    try:
+        write_files(target, contents, file_modes, "apply")
+    except ToolError:
+        if set(backup.states().values()) == {"original"}:  # no file replaced: forget them
+            try:
+                backup.remove()
+            except OSError:
+                pass
+        raise
+
+
 def checked_state(target, before, contents):
     """What the files are now, read back after a failure: as before, or written."""
     now = {}

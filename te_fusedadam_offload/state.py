@@ -246,6 +246,15 @@ class State:
             )
         return report(DRIFTED)
 
+    def changes(self):
+        """(originals, contents): {path: bytes} of the files that applying `relevant` changes,
+        before and after it, for a target that it is not applied to (or in part)."""
+        originals, contents = self.before, self.after
+        root = self.target.root
+        current = {rel: (root / rel).read_bytes() for rel in {**originals, **contents}}
+        contents = {rel: data for rel, data in contents.items() if data != current[rel]}
+        return {rel: originals.get(rel, current[rel]) for rel in contents}, contents
+
     def changed_since_apply(self):
         """The files that apply patched (state.json, this TE release) that are now neither as
         it wrote them nor the saved originals. Found without git; where the series does not
