@@ -264,9 +264,13 @@ def _storage(tensor):
     """The address of `tensor`'s memory (its local tensor's for a DTensor), None if empty."""
     if isinstance(tensor, DTensor):
         tensor = tensor._local_tensor
-    if not isinstance(tensor, torch.Tensor) or tensor.untyped_storage().data_ptr() == 0:
+    if not isinstance(tensor, torch.Tensor):
         return None
-    return (tensor.device, tensor.untyped_storage().data_ptr())
+    try:
+        address = tensor.untyped_storage().data_ptr()
+    except (RuntimeError, NotImplementedError, TypeError):  # a subclass without storage
+        return None  # (as a leaf of the export: copied, or refused)
+    return (tensor.device, address) if address else None
 
 
 def _storages(values):
