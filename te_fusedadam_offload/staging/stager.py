@@ -74,7 +74,9 @@ class PinnedStager(AsyncStager):
     def stage(self, state_dict):
         """The state dict with its tensors copied into the stager's buffers (see the class);
         a future of it with ``async_staging=True``."""
-        with self._lock:
+        # Autograd off, as in DCP's own stagers: a copy of a parameter would otherwise make
+        # the kept buffer a node of its graph (a longer chain at each checkpoint).
+        with self._lock, torch.no_grad():
             if self._closed:
                 raise RuntimeError("CheckpointStager.stage() called after close()")
             pending = self._pending

@@ -72,9 +72,12 @@ class StandIn(CheckpointStager):
         return self._stream
 
     def _copy_on(self, stream, copies):
+        grad = torch.is_grad_enabled()  # autograd records a CUDA copy when it is enqueued
+
         def copy():
-            for dst, src in copies:
-                dst.copy_(src)
+            with torch.set_grad_enabled(grad):
+                for dst, src in copies:
+                    dst.copy_(src)
 
         if copies:
             stream.enqueue(copy)

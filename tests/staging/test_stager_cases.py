@@ -307,3 +307,22 @@ def test_close_during_staging(ckpt_root, where):
         time.sleep(0.01)
     assert outcome == ["closed"] and stager.cached_bytes() == 0
     _same(_raw(path), expected)
+
+
+def test_staged_parameters_record_no_autograd_history():
+    """The model's parameters (FSDP2 DTensors, requires_grad) staged from the GPU, with
+    autograd on: the staged copies and the kept buffers are leaves without grad, at every
+    checkpoint (before, each buffer's grad_fn chain grew by one per checkpoint)."""
+    model, _ = _build()
+    params = dict(model.named_parameters())
+    stager = CheckpointStager(async_staging=True)
+    for _ in range(3):
+        staged = stager.stage({"model": params}).result()
+        for key, value in staged["model"].items():
+            local = value._local_tensor if isinstance(value, DTensor) else value
+            assert not value.requires_grad and local.grad_fn is None, key
+        del staged, value, local
+    for buffer, _ in stager._buffers._entries.values():
+        assert buffer.is_leaf and not buffer.requires_grad
+    assert all(p.grad is None for p in params.values())
+    stager.close()

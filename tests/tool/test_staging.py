@@ -586,3 +586,23 @@ def test_a_staging_that_never_completes_does_not_keep_the_interpreter_from_exiti
         [sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=60
     )
     assert result.returncode == 0 and result.stdout == "staged\n", result.stderr
+
+
+@pytest.mark.parametrize("async_staging", [False, True], ids=["sync", "async"])
+def test_staging_a_parameter_records_no_autograd_history(async_staging):
+    """stage() copies parameters (requires_grad) with autograd off: before, each kept buffer
+    became a non-leaf whose grad_fn chain grew by one per checkpoint, and a backward through
+    the staged copy wrote into the live parameter's .grad."""
+    cpu = torch.nn.Parameter(torch.ones(3))
+    gpu = on_gpu(torch.nn.Parameter(torch.arange(4.0)))
+    stager = StandIn(async_staging=async_staging)
+    for _ in range(3):
+        staged = stager.stage({"cpu": cpu, "gpu": gpu})
+        staged = staged.result() if async_staging else staged
+        for key in ("cpu", "gpu"):
+            assert not staged[key].requires_grad and staged[key].grad_fn is None, key
+        del staged
+    for buffer, _ in stager._buffers._entries.values():
+        assert buffer.is_leaf and not buffer.requires_grad and buffer.grad_fn is None
+    assert cpu.grad is None and gpu.grad is None
+    stager.close()
