@@ -60,8 +60,10 @@ class PinnedStager(AsyncStager):
         self._closed = False
         self._freed = False
         # The future of the staging under way, until it is complete (then dropped: it holds
-        # the staged state dict). Set before its thread starts, cleared by the thread.
+        # the staged state dict). Set before its thread starts, cleared by the thread once it
+        # has completed the future; both under _pending_lock.
         self._pending = None
+        self._pending_lock = threading.RLock()
         # (device, event) of the last staging's copies while they may not be done
         self._copies = None
         self._owner = None  # the thread that called stage(): the training's
@@ -130,11 +132,13 @@ class PinnedStager(AsyncStager):
         )
         thread.daemon = True  # a hung device must not keep the interpreter from exiting
         try:
-            self._pending = future
+            with self._pending_lock:
+                self._pending = future
             thread.start()
         except BaseException:
             if thread.ident is None:  # it never ran: nothing else completes the staging
-                self._pending = None
+                with self._pending_lock:
+                    self._pending = None
                 self._copies = None
             raise
         return future
@@ -144,11 +148,10 @@ class PinnedStager(AsyncStager):
             with self._in_device(copies[0]):
                 self._finish(walk, copies)
         except BaseException as exc:  # pylint: disable=broad-exception-caught
-            self._pending = None  # before the callbacks: close() or stage() may be in them
             future.set_exception(exc)
         else:
-            self._pending = None
             future.set_result(staged)
+        self._drop_pending(future)  # once complete: synchronize_staging() waits for it
 
     def _finish(self, walk, copies):
         """Wait for the copies; run the host work that follows them (each once its own
@@ -240,6 +243,13 @@ class PinnedStager(AsyncStager):
         pending = self._pending
         if pending is not None:
             wait([pending])
+            self._drop_pending(pending)
+
+    def _drop_pending(self, future):
+        """Drop `future` (complete) unless a later stage() has put its own in its place."""
+        with self._pending_lock:  # reentrant: close() may be called from a signal handler
+            if self._pending is future:
+                self._pending = None
 
     def close(self):
         """Wait for the last staging, free the buffers (those that no upload still holds; the

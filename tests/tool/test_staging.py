@@ -9,6 +9,7 @@ import pickle
 import subprocess
 import sys
 import threading
+import time
 import weakref
 
 import pytest
@@ -26,6 +27,7 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimi
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
 from te_fusedadam_offload.staging import CheckpointStager, widening
+from te_fusedadam_offload.staging import stager as stager_module
 
 sys.path.insert(0, str(REPO / "tests" / "staging"))
 # pylint: disable=wrong-import-order
@@ -605,4 +607,25 @@ def test_staging_a_parameter_records_no_autograd_history(async_staging):
     for buffer, _ in stager._buffers._entries.values():
         assert buffer.is_leaf and not buffer.requires_grad and buffer.grad_fn is None
     assert cpu.grad is None and gpu.grad is None
+    stager.close()
+
+
+def test_synchronize_staging_returns_only_once_the_staging_is_complete(monkeypatch):
+    """The staging's thread completes its future slowly (its set_result held back): before,
+    it dropped the future first, so that synchronize_staging() returned while the staging
+    was not complete."""
+    entered = threading.Event()
+
+    class SlowFuture(stager_module.Future):
+        def set_result(self, result):
+            entered.set()
+            time.sleep(0.3)
+            super().set_result(result)
+
+    monkeypatch.setattr(stager_module, "Future", SlowFuture)
+    stager = StandIn(async_staging=True, delay_s=0.0)
+    future = stager.stage({"w": _model()})
+    assert entered.wait(10)
+    stager.synchronize_staging()
+    assert future.done() and stager._pending is None
     stager.close()
