@@ -27,7 +27,8 @@ is waited for (not counted), so that each checkpoint starts alike. Variants:
                    per checkpoint, the model state left on the GPU for it; staging_completion
                    is waited for before optimizer.step()
   te_stager        te_fusedadam_offload.staging.CheckpointStager (one, reused): the model's GPU
-                   tensors into its pinned buffers, the export's CPU tensors passed through
+                   tensors into its pinned buffers, the export's private CPU tensors passed
+                   through (stager.optimizer_export())
   te_stager_async  the same with async_staging=True: the model copies overlap forward and
                    backward; staging_completion before optimizer.step()
   te_snapshot      CheckpointStager(async_staging=True) with stager.optimizer_snapshot() in
@@ -183,6 +184,10 @@ def checkpoint(variant, trainer, state_stager, group, path, args, iteration_s):
         return row, nothing, written
     if variant == "te_snapshot":
         optim = state_stager.optimizer_snapshot(model, optimizer)  # taken in async_save
+    elif variant.startswith("te_") and hasattr(state_stager, "optimizer_export"):
+        # The export's private CPU copies passed through (a stager from before
+        # optimizer_export() passed every CPU tensor through)
+        optim = state_stager.optimizer_export(model, optimizer, options=OFFLOAD)
     else:
         optim = get_optimizer_state_dict(model, optimizer, options=OFFLOAD)
     row["export_optim_s"] = time.perf_counter() - start

@@ -54,7 +54,8 @@ import transformer_engine
 from transformer_engine.pytorch.optimizers import fused_adam
 
 # The stager's own emptying of PyTorch's pinned cache (torch.accelerator's, or torch._C's before).
-from te_fusedadam_offload.staging import CheckpointStager, _empty_host_cache
+from te_fusedadam_offload.staging import CheckpointStager
+from te_fusedadam_offload.staging.stager import empty_host_cache
 
 # Run as a script, this folder is on sys.path.
 from benchmark_state_dict_offload import exported_bytes, stepped_optimizer, to_cpu
@@ -385,7 +386,7 @@ def main():
                         closed=True, rss_gib=_rss_gib(), pinned_bytes=_pinned_reserved()
                     )
                     _emit(released, out)
-                _empty_host_cache()
+                empty_host_cache()
             del opt
             gc.collect()
             torch.cuda.empty_cache()

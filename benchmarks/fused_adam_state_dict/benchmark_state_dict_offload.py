@@ -14,7 +14,7 @@ Modes, each over the same optimizer state (BF16 params, FP32 master weights, mom
   offload          FusedAdam(state_dict_cpu_offload=True).
   load_default     load_state_dict() of the CPU export, as upstream, into the optimizer
                    (which holds state, as when resuming).
-  load_offload     the same with state_dict_cpu_offload=True.
+  load_in_place    the same with load_state_dict_in_place=True, in the same process.
 For exports, the GPU peak is above the memory allocated before; for loads, above the memory
 allocated after (the loaded state). GB/s: bytes of the exported states per second.
 
@@ -39,7 +39,8 @@ import torch
 import transformer_engine
 import transformer_engine.pytorch as te
 
-MODES = ("default", "default_then_cpu", "convert_one", "offload", "load_default", "load_offload")
+MODES = ("default", "default_then_cpu", "convert_one", "offload", "load_default", "load_in_place")
+MASTER = {"fp32": torch.float32, "fp16": torch.float16}
 MOMENTS = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp8": torch.uint8, "fp32": torch.float32}
 
 
@@ -123,22 +124,26 @@ def exported_bytes(sd):
     return total
 
 
-def build(total, largest, moments):
-    """BF16 params of `total` elements (the largest `largest`) and a stepped FusedAdam."""
+def build(total, largest, moments, master="fp32", square=False):
+    """BF16 params of `total` elements (the largest `largest`) and a stepped FusedAdam. With
+    `square`, each parameter of 4^k elements is a 2^k x 2^k matrix, else 1-D."""
     sizes = []
     rest = total
     while rest > 0:
         sizes.append(min(rest, largest))
         rest -= sizes[-1]
-    params, opt = stepped_optimizer(sizes, moments)
+    if square:
+        square_of = lambda n: (2 ** (n.bit_length() // 2),) * 2
+        sizes = [square_of(n) if n & (n - 1) == 0 and n.bit_length() % 2 else n for n in sizes]
+    params, opt = stepped_optimizer(sizes, moments, master)
     # Export helper for convert_one: param_groups without the states.
     opt.state_dict_groups_only = lambda: torch.optim.Optimizer.state_dict(opt)["param_groups"]
     return params, opt
 
 
-def stepped_optimizer(shapes, moments):
+def stepped_optimizer(shapes, moments, master="fp32"):
     """BF16 params of these shapes, normally distributed, and a FusedAdam that took one step
-    (FP32 master weights, moments of the dtype `moments`)."""
+    (master weights of the dtype `master`, moments of the dtype `moments`)."""
     params = [
         torch.nn.Parameter(torch.empty(s, device="cuda", dtype=torch.bfloat16)) for s in shapes
     ]
@@ -148,6 +153,7 @@ def stepped_optimizer(shapes, moments):
         params,
         lr=1e-3,
         master_weights=True,
+        master_weight_dtype=MASTER[master],
         exp_avg_dtype=MOMENTS[moments],
         exp_avg_sq_dtype=MOMENTS[moments],
     )
@@ -167,14 +173,15 @@ def load(opt, sd):
 
 def run_mode(opt, mode, cpu_sd=None):
     """Export (or load `cpu_sd`) once in `mode`; return the measurements."""
-    opt.state_dict_cpu_offload = mode in ("offload", "load_offload")
+    opt.state_dict_cpu_offload = mode == "offload"
+    opt.load_state_dict_in_place = mode == "load_in_place"
     exports = {
         "default": opt.state_dict,
         "default_then_cpu": lambda: to_cpu(opt.state_dict()),
         "convert_one": lambda: export_convert_one(opt),
         "offload": opt.state_dict,
         "load_default": lambda: load(opt, cpu_sd),
-        "load_offload": lambda: load(opt, cpu_sd),
+        "load_in_place": lambda: load(opt, cpu_sd),
     }
     gc.collect()
     torch.cuda.synchronize()
@@ -197,7 +204,7 @@ def run_mode(opt, mode, cpu_sd=None):
     )
     del sd
     gc.collect()
-    opt.state_dict_cpu_offload = False
+    opt.state_dict_cpu_offload = opt.load_state_dict_in_place = False
     return {
         "gpu_peak_bytes": gpu_peak,
         "gpu_peak_gib": round(gpu_peak / 2**30, 4),
@@ -218,6 +225,10 @@ def main():
         "--largest-log2", type=int, nargs="+", default=[24, 0], help="0: one parameter"
     )
     parser.add_argument("--moments", choices=sorted(MOMENTS), default="bf16")
+    parser.add_argument("--master", choices=sorted(MASTER), default="fp32")
+    parser.add_argument(
+        "--square", action="store_true", help="parameters of 4^k elements as 2^k x 2^k matrices"
+    )
     parser.add_argument("--modes", nargs="+", choices=MODES, default=list(MODES))
     parser.add_argument(
         "--slow-modes-max-log2",
@@ -241,7 +252,7 @@ def main():
     print(json.dumps({"env": env}), flush=True)
 
     # Warm up CUDA, the pinned-memory allocator and the export threads once.
-    _, opt = build(2**20, 2**20, args.moments)
+    _, opt = build(2**20, 2**20, args.moments, args.master)
     cpu_sd = cpu_export(opt)
     for mode in args.modes:
         run_mode(opt, mode, cpu_sd)
@@ -253,7 +264,9 @@ def main():
             largest_log2 = total_log2 if largest_log2 == 0 else largest_log2
             if largest_log2 > total_log2:
                 continue
-            params, opt = build(2**total_log2, 2**largest_log2, args.moments)
+            params, opt = build(
+                2**total_log2, 2**largest_log2, args.moments, args.master, args.square
+            )
             cpu_sd = cpu_export(opt) if any(m.startswith("load") for m in args.modes) else None
             for mode in args.modes:
                 if (
@@ -264,6 +277,8 @@ def main():
                 row = dict(
                     env,
                     moments=args.moments,
+                    master=args.master,
+                    shape=list(params[0].shape),
                     total_numel_log2=total_log2,
                     largest_numel_log2=largest_log2,
                     num_params=len(params),
@@ -286,7 +301,7 @@ def main():
 
     # Side by side: offload vs today's path, per size.
     for row in rows:
-        if row["mode"] not in ("offload", "load_offload"):
+        if row["mode"] not in ("offload", "load_in_place"):
             continue
         today = "default_then_cpu" if row["mode"] == "offload" else "load_default"
         base = [

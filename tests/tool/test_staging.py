@@ -3,12 +3,13 @@ and DCP on disk, are in tests/staging/). Where the stager's logic does not need 
 stand-in treats marked CPU tensors as the GPU's: it copies them into buffers as the stager
 copies CUDA tensors into pinned ones."""
 
-import contextlib
 import copy
 import gc
 import pickle
 import subprocess
 import sys
+import threading
+import time
 import weakref
 
 import pytest
@@ -23,31 +24,45 @@ pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
 
-from te_fusedadam_offload import staging
-from te_fusedadam_offload.staging import CheckpointStager
+from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+from te_fusedadam_offload.staging import CheckpointStager, widening
+from te_fusedadam_offload.staging import stager as stager_module
 
 sys.path.insert(0, str(REPO / "tests" / "staging"))
-from slow_storage import SlowWriter  # pylint: disable=wrong-import-order
+# pylint: disable=wrong-import-order
+from slow_storage import SlowWriter
+from stand_in import StandIn, on_gpu, snapshot_stand_in
 
 
-def test_cpu_tensors_pass_through_and_other_values_are_copied():
-    export = torch.arange(6, dtype=torch.float32)
+def test_cpu_tensors_are_copied_unless_private_and_other_values_deep_copied():
+    """A CPU tensor is copied (a live one, such as torch's AdamW step, would be read as the
+    upload reaches it); inside private() it is passed through; other values are copied."""
+    step, export = torch.tensor(5.0), torch.arange(6, dtype=torch.float32)
     groups = [{"lr": 1e-4, "params": ["a", "b"]}]
-    state = {"optim": {"state": {"a": {"exp_avg": export}}, "param_groups": groups}, "step": 3}
+    state = {
+        "optim": {"state": {"a": {"step": step}}, "param_groups": groups},
+        "export": CheckpointStager.private({"exp_avg": export}),
+        "step": 3,
+    }
     stager = CheckpointStager()
     staged = stager.stage(state)
-    assert staged["optim"]["state"]["a"]["exp_avg"] is export  # no copy of a copy
+    step.add_(1)  # the optimizer's next step, once stage() has returned
+    assert torch.equal(staged["optim"]["state"]["a"]["step"], torch.tensor(5.0))
+    assert staged["export"]["exp_avg"] is export  # no copy of a private copy
     assert staged["optim"]["param_groups"] == groups
     assert staged["optim"]["param_groups"] is not groups  # plain values: copied
     assert staged["optim"]["param_groups"][0]["params"] is not groups[0]["params"]
     assert staged["step"] == 3
-    assert stager.cached_bytes() == 0
+    assert stager.cached_bytes() == step.nbytes
     stager.close()
 
 
-def test_async_staging_without_gpu_tensors_gives_a_done_future():
+def test_async_staging_without_gpu_tensors_gives_a_done_future_of_copies():
     stager = CheckpointStager(async_staging=True)
-    future = stager.stage({"x": torch.ones(2)})
+    x = torch.ones(2)
+    future = stager.stage({"x": x})
+    x.add_(1)
     assert future.done() and torch.equal(future.result()["x"], torch.ones(2))
     stager.close()
 
@@ -56,6 +71,48 @@ def test_other_devices_are_refused():
     stager = CheckpointStager()
     with pytest.raises(RuntimeError, match="model/w is on meta"):
         stager.stage({"model": {"w": torch.empty(2, device="meta")}})
+
+
+class QuantizedTensor(torch.Tensor):
+    """Named as TE's base class of FP8 tensors, which the stager recognizes by name."""
+
+
+class ShardedTensor(torch.Tensor):
+    """Named as torch's (FSDP1's sharded state dicts)."""
+
+
+class Other(torch.Tensor):
+    pass
+
+
+@pytest.mark.parametrize(
+    "kind, match",
+    [
+        (QuantizedTensor, "is a QuantizedTensor: TE's quantized weights"),
+        (ShardedTensor, "is a ShardedTensor: FSDP1's sharded state dicts"),
+        (Other, "is a Other: convert it to a plain tensor first"),
+        ("sparse", "has layout torch.sparse_coo"),
+    ],
+)
+def test_tensor_subclasses_and_other_layouts_are_refused_mid_walk_without_a_trace(kind, match):
+    """A subclass would be copied as its nominal dtype (TE's FP8 saved dequantized) or, a
+    ShardedTensor, passed through: refused, in the middle of the walk, before any copy is
+    enqueued; the stager is idle, its buffers are whole, and the next staging works."""
+    weight = on_gpu(torch.arange(8.0))
+    stager = StandIn(async_staging=True)
+    first = stager.stage({"w": weight}).result()["w"]
+    pointers = stager._buffers.pointers()
+    del first
+    odd = torch.ones(2).to_sparse() if kind == "sparse" else torch.ones(2).as_subclass(kind)
+    enqueued = stager._stream.enqueued
+    with pytest.raises(TypeError, match=match):
+        stager.stage({"w": weight, "odd": odd, "z": on_gpu(torch.zeros(3))})
+    assert stager._stream.enqueued == enqueued and stager._copies is None
+    weight.add_(1)
+    staged = stager.stage({"w": weight}).result()
+    assert torch.equal(staged["w"], weight) and stager._buffers.pointers() == pointers
+    assert stager.overlapping_stagings == 0
+    stager.close()
 
 
 def test_without_torch_the_import_says_what_is_missing():
@@ -69,25 +126,23 @@ def test_without_torch_the_import_says_what_is_missing():
     assert "pip install '<its checkout>[staging]'" in last
 
 
-class StandIn(CheckpointStager):
-    """CheckpointStager where the tensors marked `on_gpu` stand for CUDA tensors: copied into
-    plain CPU buffers at once, as the real one copies CUDA tensors into pinned buffers."""
-
-    def _copied(self, tensor, path):
-        return getattr(tensor, "on_gpu", False)
-
-    def _allocate(self, shape, dtype):
-        return torch.empty(shape, dtype=dtype)
-
-    def _enqueue(self, copies, work):
-        for _, dst, src in copies:
-            dst.copy_(src)
-
-
 def _model(n=1 << 16):
-    weight = torch.arange(n, dtype=torch.float32)
-    weight.on_gpu = True
-    return weight
+    return on_gpu(torch.arange(n, dtype=torch.float32))
+
+
+@pytest.mark.parametrize("async_staging", [False, True], ids=["sync", "async"])
+def test_staged_buffers_are_written_when_staging_is_complete(async_staging):
+    """The stand-in's side stream copies 0.2 s after stage(): what stage() returns (sync),
+    or its future's result (async), holds the values at stage(), and the current stream was
+    made to wait for the copies before anything after stage() (one event per staging)."""
+    weight = _model()
+    expected = weight.clone()
+    stager = StandIn(async_staging=async_staging)
+    staged = stager.stage({"w": weight})
+    staged = staged.result() if async_staging else staged
+    assert torch.equal(staged["w"], expected)
+    assert len(stager.ordered) == 1
+    stager.close()
 
 
 def test_a_buffer_still_held_by_an_upload_is_not_reused():
@@ -111,10 +166,15 @@ def test_a_buffer_still_held_by_an_upload_is_not_reused():
     stager.close()
 
 
-def _load(path, like):
-    state = {"model": {"w": torch.empty_like(like)}}
-    dcp.load(state, storage_reader=dcp.FileSystemReader(path), no_dist=True)
-    return state["model"]["w"]
+def _load(path, like):  # pylint: disable=unused-argument
+    return _raw(path)["model"]["w"]
+
+
+def _raw(path):
+    """The checkpoint at `path` as it was written (DCP's own conversion to torch.save), not
+    through a load into a template that could hide a difference."""
+    dcp_to_torch_save(path, path / "raw.pt")
+    return torch.load(path / "raw.pt", weights_only=True)
 
 
 def test_overlapping_async_saves_with_a_slow_storage_each_write_their_own_values(tmp_path):
@@ -140,9 +200,10 @@ def test_overlapping_async_saves_with_a_slow_storage_each_write_their_own_values
         assert torch.equal(_load(tmp_path / f"ckpt-{n}", weight), expected[n]), n
     assert stager.overlapping_stagings == 2
     # The uploads done, the next checkpoint reuses a buffer: no new one.
-    ptrs = {t.data_ptr() for t, _ in stager._cache.values()}
+    pointers = stager._buffers.pointers()
     staged = stager.stage({"model": {"w": weight}})
-    assert staged["model"]["w"].data_ptr() in ptrs and stager.overlapping_stagings == 2
+    assert staged["model"]["w"].data_ptr() in pointers and stager.overlapping_stagings == 2
+    assert torch.equal(staged["model"]["w"], weight)
     stager.close()
 
 
@@ -186,7 +247,7 @@ def test_widen_in_place_is_bitwise_the_conversion(dtype, n):
     buffer = torch.full((n,), float("nan"))
     raw = buffer.view(torch.uint8)[buffer.nbytes - values.nbytes :].view(dtype)
     raw.copy_(values)
-    staging._widen(buffer, dtype)  # pylint: disable=protected-access
+    widening.widen(buffer, dtype)
     assert torch.equal(buffer.view(torch.int32), values.float().view(torch.int32))
 
 
@@ -226,39 +287,10 @@ def test_an_optimizer_snapshot_refuses_to_be_copied_or_misconfigured():
     stager.close()
 
 
-class _Copied:
-    """Stands for the CUDA event of copies that are done."""
-
-    def synchronize(self):
-        pass
-
-
-class _SideStream:
-    """Stands for the side stream: its copies are done at once (they run on CPU here)."""
-
-    def record_event(self):
-        return _Copied()
-
-
-class SnapshotStandIn(CheckpointStager):
-    """CheckpointStager whose snapshot copies CPU states as it copies CUDA ones: into plain
-    buffers, on a stand-in side stream (the real one: tests/staging on a GPU)."""
-
-    def _allocate(self, shape, dtype):
-        return torch.empty(shape, dtype=dtype)
-
-    def _side_stream(self, device, path, work):
-        work.device = device
-        self._stream = _SideStream()
-        return self._stream
-
-
 @pytest.fixture
 def stand_in_stream(monkeypatch):
-    """What the stager does with its side stream on a GPU does nothing here: entering it, and
-    recording the sources' use on it."""
-    monkeypatch.setattr(torch.cuda, "stream", lambda stream: contextlib.nullcontext())
-    monkeypatch.setattr(torch.Tensor, "record_stream", lambda self, stream: None)
+    """What the snapshot does with its side stream on a GPU does nothing here."""
+    snapshot_stand_in(monkeypatch)
 
 
 class StandInFusedAdam(torch.optim.Optimizer):
@@ -332,17 +364,18 @@ def test_optimizer_snapshot_is_the_export_through_dcp_with_every_option(flatten,
     optimizer = StandInFusedAdam(model.parameters())
     options = StateDictOptions(flatten_optimizer_state_dict=flatten, cpu_offload=cpu_offload)
     expected = get_optimizer_state_dict(model, optimizer, options=options)
-    stager = SnapshotStandIn()
+    stager = StandIn()
+    hooks = len(optimizer._optimizer_step_pre_hooks)
     pointers = []
     for _ in range(2):
         staged = stager.stage(
             {"optim": stager.optimizer_snapshot(model, optimizer, options=options)}
         )
         _same_export(staged["optim"], expected)
-        pointers.append(sorted(b.data_ptr() for b, _ in stager._cache.values()))
+        pointers.append(stager._buffers.pointers())
         del staged  # the buffers are free for the next snapshot
     assert pointers[0] == pointers[1]  # reused
-    assert len(stager._hooks) == 1
+    assert len(optimizer._optimizer_step_pre_hooks) == hooks + 1
     optimizer.step()  # the hook: nothing to wait for once the copies are done
     probe = weakref.ref(stager)
     del stager
@@ -350,14 +383,16 @@ def test_optimizer_snapshot_is_the_export_through_dcp_with_every_option(flatten,
     assert probe() is None  # the optimizer's hook does not keep the stager
     # It stays and does nothing: removed from the thread that drops the stager, it could
     # change the optimizer's hooks while a step goes through them.
-    assert len(optimizer._optimizer_step_pre_hooks) == 1
+    assert len(optimizer._optimizer_step_pre_hooks) == hooks + 1
     optimizer.step()
-    stager = SnapshotStandIn()
+    stager = StandIn()
     stager.stage({"optim": stager.optimizer_snapshot(model, optimizer)})
-    stager.close()
-    assert len(stager._hooks) == 0 and stager.cached_bytes() == 0
+    assert len(optimizer._optimizer_step_pre_hooks) == hooks + 2
+    stager.close()  # from the thread that staged: removes its hook
+    assert len(optimizer._optimizer_step_pre_hooks) == hooks + 1
+    assert stager.cached_bytes() == 0
     probe = weakref.ref(optimizer)
-    other = SnapshotStandIn()
+    other = StandIn()
     other.stage({"optim": other.optimizer_snapshot(model, optimizer)})
     del optimizer
     gc.collect()
@@ -371,18 +406,226 @@ def test_a_failed_widening_leaves_nothing_for_a_step_to_wait_for(monkeypatch):
     anyway, so that no later step waits (or refuses a capture), and the next staging runs."""
     model = torch.nn.Linear(8, 4)
     optimizer = StandInFusedAdam(model.parameters())
-    stager = SnapshotStandIn()
+    stager = StandIn()
 
     def fails(buffer, dtype):
         raise MemoryError("injected")
 
     with monkeypatch.context() as patched:
-        patched.setattr(staging, "_widen", fails)
+        patched.setattr(widening, "widen", fails)
         with pytest.raises(MemoryError, match="injected"):
             stager.stage({"optim": stager.optimizer_snapshot(model, optimizer)})
-    assert stager._snapshot_event is None and stager._idle.is_set()
+    assert stager._copies is None and stager._pending is None
     expected = get_optimizer_state_dict(model, optimizer)
     _same_export(
         stager.stage({"optim": stager.optimizer_snapshot(model, optimizer)})["optim"], expected
     )
+    stager.close()
+
+
+def _adamw():
+    """A CPU model and torch's AdamW with a tensor lr that a scheduler updates in place (fill_):
+    its `step` states and its lr are live CPU tensors."""
+    torch.manual_seed(0)
+    model = torch.nn.Linear(16, 8)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=torch.tensor(0.01), foreach=False)
+    scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=0.5)
+    return model, optimizer, scheduler
+
+
+def _train(model, optimizer, scheduler):
+    model(torch.randn(4, 16)).square().sum().backward()
+    optimizer.step()
+    scheduler.step()
+    optimizer.zero_grad()
+
+
+def _cpu_copies(value):
+    if isinstance(value, dict):
+        return {k: _cpu_copies(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_cpu_copies(v) for v in value]
+    return value.clone() if isinstance(value, torch.Tensor) else value
+
+
+def _same(got, expected, path=()):
+    """`got` (read back raw) is `expected` (the state at async_save): keys, dtypes, bits."""
+    if isinstance(expected, dict):
+        assert isinstance(got, dict) and got.keys() == expected.keys(), path
+        for key, value in expected.items():
+            _same(got[key], value, (*path, key))
+    elif isinstance(expected, list):
+        assert len(got) == len(expected), path
+        for i, value in enumerate(expected):
+            _same(got[i], value, (*path, i))
+    elif isinstance(expected, torch.Tensor):
+        assert got.dtype == expected.dtype and torch.equal(got, expected), path
+    else:
+        assert got == expected, path
+
+
+@pytest.mark.parametrize("export", [False, True], ids=["state_dict", "optimizer_export"])
+def test_live_cpu_tensors_are_saved_as_they_were_at_async_save(tmp_path, export):
+    """torch's AdamW keeps its `step` on the CPU and increments it in place, and a scheduler
+    fill_()s a tensor lr: both changed while the upload waits to write (before, the checkpoint
+    held the new values). Read back raw, the checkpoint is the state at async_save; through
+    optimizer_export() too, which copies what shares memory with the optimizer."""
+    model, optimizer, scheduler = _adamw()
+    for _ in range(5):
+        _train(model, optimizer, scheduler)
+    stager = CheckpointStager(async_staging=True)
+    optim = (
+        stager.optimizer_export(model, optimizer)
+        if export
+        else get_optimizer_state_dict(model, optimizer)
+    )
+    state = {"model": model.state_dict(), "optim": optim}
+    expected = _cpu_copies(
+        {"model": model.state_dict(), "optim": get_optimizer_state_dict(model, optimizer)}
+    )
+    writer = SlowWriter(tmp_path / "ckpt", delay_s=0.5)
+    upload = dcp.async_save(state, storage_writer=writer, async_stager=stager, no_dist=True)
+    del state, optim
+    for _ in range(3):  # at once, as the recipe allows once staging_completion is done
+        upload.staging_completion.result()
+        _train(model, optimizer, scheduler)
+    assert not upload.upload_completion.done()
+    upload.upload_completion.result()
+    assert optimizer.state[model.weight]["step"] == 8 and optimizer.param_groups[0]["lr"] < 0.01
+    _same(_raw(tmp_path / "ckpt"), expected)
+    stager.close()
+
+
+def test_optimizer_export_passes_through_only_what_shares_no_memory():
+    """Of an export, the CPU tensors made for it are passed through; those that are the
+    optimizer's own (torch's AdamW without cpu_offload: every state; FusedAdam's FP32 master
+    copy, returned as it is) are copied."""
+    model, optimizer, scheduler = _adamw()
+    _train(model, optimizer, scheduler)
+    stager = CheckpointStager()
+    staged = stager.stage({"optim": stager.optimizer_export(model, optimizer)})
+    live = optimizer.state[model.weight]
+    for key, value in staged["optim"]["state"]["weight"].items():
+        assert value is not live[key] and torch.equal(value, live[key]), key
+    model = torch.nn.Linear(8, 4)
+    adam = StandInFusedAdam(model.parameters())
+    export = stager.optimizer_export(model, adam)
+    staged = stager.stage({"optim": export})
+    for key, value in staged["optim"]["state"]["weight"].items():
+        made = export.value["state"]["weight"][key]
+        assert (value is made) == (key != "master_param"), key
+        assert torch.equal(value, adam.state[model.weight][key].float()), key
+    stager.close()
+
+
+# The lifecycle: interrupts, close() from a callback, a device that never finishes.
+
+
+def test_an_interrupt_as_the_staging_thread_starts_leaves_the_stager_usable(monkeypatch):
+    """A KeyboardInterrupt (or any exception) as stage() starts its thread: before, the
+    stager refused every later stage() and close() blocked forever. Now the staging is
+    undone, the next one works and close() returns."""
+    weight = _model()
+    stager = StandIn(async_staging=True)
+
+    def interrupted(thread):  # pylint: disable=unused-argument
+        raise KeyboardInterrupt
+
+    with monkeypatch.context() as patched:
+        patched.setattr(threading.Thread, "start", interrupted)
+        with pytest.raises(KeyboardInterrupt):
+            stager.stage({"w": weight})
+    assert torch.equal(stager.stage({"w": weight}).result()["w"], weight)
+    closing = threading.Thread(target=stager.close, daemon=True)
+    closing.start()
+    closing.join(timeout=10)
+    assert not closing.is_alive()
+
+
+def test_close_from_a_staging_completion_callback(tmp_path):
+    """close() in a callback of staging_completion runs in the stager's own thread: before,
+    it tried to join that thread (and failed); now it closes, and the upload is whole."""
+    weight = _model()
+    expected = weight.clone()
+    stager = StandIn(async_staging=True, delay_s=0.5)
+    outcome = []
+
+    def close(_):
+        try:
+            stager.close()
+            outcome.append("closed")
+        except BaseException as exc:  # pylint: disable=broad-exception-caught
+            outcome.append(exc)
+
+    upload = dcp.async_save(
+        {"model": {"w": weight}},
+        storage_writer=SlowWriter(tmp_path / "ckpt", 0.0),
+        async_stager=stager,
+        no_dist=True,
+    )
+    assert not upload.staging_completion.done()
+    upload.staging_completion.add_done_callback(close)
+    upload.upload_completion.result()
+    assert outcome == ["closed"]
+    assert torch.equal(_raw(tmp_path / "ckpt")["model"]["w"], expected)
+    with pytest.raises(RuntimeError, match="after close"):
+        stager.stage({"w": weight})
+
+
+def test_a_staging_that_never_completes_does_not_keep_the_interpreter_from_exiting():
+    """A hung device: the copies never end. Before, the stager's thread (not a daemon) kept
+    the interpreter from exiting; now the process exits."""
+    code = (
+        "import sys, threading; sys.path.insert(0, 'tests/staging')\n"
+        "import torch\n"
+        "from stand_in import StandIn, on_gpu\n"
+        "stager = StandIn(async_staging=True, hold=threading.Event())\n"
+        "future = stager.stage({'w': on_gpu(torch.ones(4))})\n"
+        "assert not future.done()\n"
+        "print('staged', flush=True)\n"
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=60
+    )
+    assert result.returncode == 0 and result.stdout == "staged\n", result.stderr
+
+
+@pytest.mark.parametrize("async_staging", [False, True], ids=["sync", "async"])
+def test_staging_a_parameter_records_no_autograd_history(async_staging):
+    """stage() copies parameters (requires_grad) with autograd off: before, each kept buffer
+    became a non-leaf whose grad_fn chain grew by one per checkpoint, and a backward through
+    the staged copy wrote into the live parameter's .grad."""
+    cpu = torch.nn.Parameter(torch.ones(3))
+    gpu = on_gpu(torch.nn.Parameter(torch.arange(4.0)))
+    stager = StandIn(async_staging=async_staging)
+    for _ in range(3):
+        staged = stager.stage({"cpu": cpu, "gpu": gpu})
+        staged = staged.result() if async_staging else staged
+        for key in ("cpu", "gpu"):
+            assert not staged[key].requires_grad and staged[key].grad_fn is None, key
+        del staged
+    for buffer, _ in stager._buffers._entries.values():
+        assert buffer.is_leaf and not buffer.requires_grad and buffer.grad_fn is None
+    assert cpu.grad is None and gpu.grad is None
+    stager.close()
+
+
+def test_synchronize_staging_returns_only_once_the_staging_is_complete(monkeypatch):
+    """The staging's thread completes its future slowly (its set_result held back): before,
+    it dropped the future first, so that synchronize_staging() returned while the staging
+    was not complete."""
+    entered = threading.Event()
+
+    class SlowFuture(stager_module.Future):
+        def set_result(self, result):
+            entered.set()
+            time.sleep(0.3)
+            super().set_result(result)
+
+    monkeypatch.setattr(stager_module, "Future", SlowFuture)
+    stager = StandIn(async_staging=True, delay_s=0.0)
+    future = stager.stage({"w": _model()})
+    assert entered.wait(10)
+    stager.synchronize_staging()
+    assert future.done() and stager._pending is None
     stager.close()

@@ -1,0 +1,61 @@
+"""The host buffers that a stager keeps from one checkpoint to the next.
+
+Nothing here needs CUDA: the buffers are pinned where PyTorch has CUDA and plain CPU memory
+otherwise, so the reuse policy is tested on any machine.
+"""
+
+import time
+import weakref
+
+import torch
+
+__all__ = ["BufferCache"]
+
+
+class BufferCache:
+    """One buffer per path of the state dict, reused by the next staging of that path when
+    its shape and dtype are the same and no upload still holds what the last staging made of
+    it (the view it returned: DCP drops the staged state dict once the upload is done)."""
+
+    def __init__(self, *, pin_memory):
+        self.pin_memory = pin_memory
+        # path -> (buffer, weak reference to the view of it that the last staging returned)
+        self._entries = {}
+
+    def view(self, path, shape, dtype):
+        """A view of the buffer of `path` for this staging, and whether the last buffer was
+        still held (an upload not done), so that this one is new."""
+        buffer, last = self._entries.get(path, (None, None))
+        held = last is not None and last() is not None
+        if held or buffer is None or buffer.shape != shape or buffer.dtype != dtype:
+            buffer = torch.empty(shape, dtype=dtype, pin_memory=self.pin_memory)
+        view = buffer.view(buffer.shape)
+        self._entries[path] = (buffer, weakref.ref(view))
+        return view, held
+
+    def keep_only(self, paths):
+        """Free the buffers of the paths that the last staging did not have."""
+        paths = set(paths)
+        self._entries = {p: entry for p, entry in self._entries.items() if p in paths}
+
+    def wait_released(self, timeout_s):
+        """Give an upload that has just completed up to `timeout_s` to drop its state dict:
+        its thread sets the upload's future first (so the caller may already be staging the
+        next checkpoint), then lets go."""
+        deadline = time.monotonic() + timeout_s
+        while any(view() is not None for _, view in self._entries.values()):
+            if time.monotonic() > deadline:
+                return
+            time.sleep(0.001)
+
+    def nbytes(self):
+        """Bytes of the buffers kept."""
+        return sum(b.numel() * b.element_size() for b, _ in self._entries.values())
+
+    def pointers(self):
+        """The buffers' addresses, sorted (to tell a reused buffer from a new one)."""
+        return sorted(b.data_ptr() for b, _ in self._entries.values())
+
+    def clear(self):
+        """Drop every buffer (one that an upload still holds is freed when it lets go)."""
+        self._entries.clear()

@@ -1,0 +1,310 @@
+"""A DCP ``AsyncStager`` that copies a state dict into host buffers it keeps from one
+checkpoint to the next: its protocol and lifecycle. Nothing here is specific to TE.
+
+Each ``stage()`` walks the state dict (:mod:`.walk`), copies its CPU tensors into the buffers
+at once, enqueues the copies of its CUDA tensors on a side stream, and makes the current
+stream wait for them, so that nothing the training enqueues after ``stage()`` returns can
+change a tensor before it is copied. With ``async_staging=True`` a daemon thread waits for
+the copies (the interpreter can exit while a device hangs) and completes the future that
+``stage()`` returned.
+"""
+
+import threading
+from concurrent.futures import Future, wait
+
+import torch
+from torch.distributed.checkpoint.staging import AsyncStager
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
+from torch.distributed.tensor import DTensor
+
+from .buffers import BufferCache
+from .walk import Private, Walk, name
+
+__all__ = ["PinnedStager", "empty_host_cache"]
+
+
+class PinnedStager(AsyncStager):
+    """Stage a state dict for ``dcp.async_save`` (pass it as ``async_stager``) into buffers
+    of pinned host memory that it keeps for the next checkpoint.
+
+    What it copies: plain tensors and parameters, also as the local tensors of DTensors (which
+    keep their mesh, placements, shape and stride), from the CPU (at once, in ``stage()``) and
+    from one CUDA device (on a side stream); a buffer is reused by the next checkpoint of the
+    same key, shape and dtype, freed when a checkpoint no longer has the key. What it passes
+    through: the CPU tensors of :meth:`private` and of :meth:`optimizer_export`. What it
+    refuses: tensor subclasses and other layouts (a TypeError that says what to do). Other
+    values are deep-copied.
+
+    Arguments:
+        async_staging (bool, optional): with False (default), ``stage()`` returns when the
+            copies are done, and ``dcp.async_save`` returns a future of the upload. With True,
+            ``stage()`` enqueues the CUDA copies on a side stream and returns a future, and
+            ``dcp.async_save`` an ``AsyncSaveResponse``; the current stream waits for those
+            copies, so forward, backward and in-place updates on it (BatchNorm statistics)
+            may run at once. Work on other streams and in other threads is not ordered:
+            wait for ``staging_completion`` before it changes a staged tensor.
+
+    Checkpoints that overlap: a buffer is reused only when nothing holds what the last
+    staging made of it, that is when the upload that wrote it is done. A checkpoint that
+    starts while an upload still holds its buffers gets new ones (``overlapping_stagings``
+    counts such stagings), one more copy in pinned host memory until that upload is done.
+    ``stage()`` raises a RuntimeError while the previous staging is not complete.
+    """
+
+    def __init__(self, *, async_staging=False):
+        self._async = async_staging
+        self._buffers = BufferCache(pin_memory=torch.cuda.is_available())
+        self.overlapping_stagings = 0  # stagings that got new buffers: the old ones in use
+        self._stream = None
+        self._lock = threading.Lock()
+        self._closed = False
+        self._freed = False
+        # The future of the staging under way, until it is complete (then dropped: it holds
+        # the staged state dict). Set before its thread starts, cleared by the thread once it
+        # has completed the future; both under _pending_lock.
+        self._pending = None
+        self._pending_lock = threading.RLock()
+        # (device, event) of the last staging's copies while they may not be done
+        self._copies = None
+        self._owner = None  # the thread that called stage(): the training's
+
+    @property
+    def should_synchronize_after_execute(self):
+        """Staging is complete when stage() returns, or when its future is done."""
+        return False
+
+    def stage(self, state_dict):
+        """The state dict with its tensors copied into the stager's buffers (see the class);
+        a future of it with ``async_staging=True``."""
+        # Autograd off, as in DCP's own stagers: a copy of a parameter would otherwise make
+        # the kept buffer a node of its graph (a longer chain at each checkpoint).
+        with self._lock, torch.no_grad():
+            if self._closed:
+                raise RuntimeError("CheckpointStager.stage() called after close()")
+            pending = self._pending
+            if pending is not None and not pending.done():
+                raise RuntimeError(
+                    "CheckpointStager.stage() called while the previous staging is not "
+                    "complete; wait for its staging_completion first"
+                )
+            self._owner = threading.current_thread()
+            self._buffers.wait_released(0.01)
+            walk = Walk(self, self._buffers)
+            staged = walk.value(state_dict, ())
+            if walk.held:
+                self.overlapping_stagings += 1
+            self._buffers.keep_only(walk.paths)
+            for dst, src in walk.cpu:  # before training goes on: nothing orders them
+                dst.copy_(src)
+            if walk.device is None:  # nothing on a GPU
+                return self._done(staged)
+            copies = self._enqueue(walk)
+            if not self._async:
+                self._finish(walk, copies)
+                return staged
+            return self._start(walk, copies, staged)
+
+    def _done(self, staged):
+        if not self._async:
+            return staged
+        done = Future()
+        done.set_result(staged)
+        return done
+
+    def _enqueue(self, walk):
+        """Enqueue the copies on the side stream, the tensors' first; the current stream
+        waits for those. Returns (device, event of all of them)."""
+        device = walk.device
+        stream = self._side_stream(device)
+        self._copy_on(stream, walk.gpu)
+        self._order_current(device, stream.record_event())
+        for enqueue in walk.deferred:
+            enqueue(walk, stream)
+        copies = (device, stream.record_event())
+        self._copies = copies
+        return copies
+
+    def _start(self, walk, copies, staged):
+        """The future of the staging, completed by a daemon thread once the copies are done."""
+        future = Future()
+        thread = threading.Thread(
+            target=self._run, args=(future, walk, copies, staged), name="CheckpointStager"
+        )
+        thread.daemon = True  # a hung device must not keep the interpreter from exiting
+        try:
+            with self._pending_lock:
+                self._pending = future
+            thread.start()
+        except BaseException:
+            if thread.ident is None:  # it never ran: nothing else completes the staging
+                with self._pending_lock:
+                    self._pending = None
+                self._copies = None
+            raise
+        return future
+
+    def _run(self, future, walk, copies, staged):
+        try:
+            with self._in_device(copies[0]):
+                self._finish(walk, copies)
+        except BaseException as exc:  # pylint: disable=broad-exception-caught
+            future.set_exception(exc)
+        else:
+            future.set_result(staged)
+        self._drop_pending(future)  # once complete: synchronize_staging() waits for it
+
+    def _finish(self, walk, copies):
+        """Wait for the copies; run the host work that follows them (each once its own
+        event is done, beside the others)."""
+        try:
+            for event, then in walk.finish:
+                event.synchronize()
+                then()
+        finally:
+            copies[1].synchronize()  # also after a failure: the copies end anyway
+            if self._copies is copies:
+                self._copies = None
+
+    # What touches the device, in one place (the CPU tests stand in for it).
+
+    def _copy_device(self, tensor, path):
+        """None for a tensor copied at once (CPU), the device for one copied on the side
+        stream (CUDA); other devices raise."""
+        if tensor.device.type == "cpu":
+            return None
+        if tensor.device.type != "cuda":
+            raise RuntimeError(
+                f"CheckpointStager stages CPU and CUDA tensors; {name(path)} is on {tensor.device}"
+            )
+        return tensor.device
+
+    def _side_stream(self, device):
+        """The side stream, made to wait for the work already enqueued on the current stream
+        (which may still be writing the sources)."""
+        if self._stream is None or self._stream.device != device:
+            self._stream = torch.cuda.Stream(device=device)
+        self._stream.wait_stream(torch.cuda.current_stream(device))
+        return self._stream
+
+    def _copy_on(self, stream, copies):
+        with torch.cuda.stream(stream):
+            for dst, src in copies:
+                dst.copy_(src, non_blocking=True)
+                src.record_stream(stream)
+
+    def _order_current(self, device, event):
+        torch.cuda.current_stream(device).wait_event(event)
+
+    def _in_device(self, device):
+        # Without it, the thread's first CUDA call may make a context on device 0.
+        return torch.cuda.device(device)
+
+    # Private CPU tensors.
+
+    @staticmethod
+    def private(value):
+        """`value` (a tensor or a nested dict/list of them) marked so that its CPU tensors
+        are passed through without a copy: only for private copies that nothing changes
+        until the upload is done."""
+        return Private(value)
+
+    @staticmethod
+    def optimizer_export(model, optimizer, *, options=None):
+        """``get_optimizer_state_dict(model, optimizer, options=options)``, with its CPU
+        tensors that share no memory with the optimizer, the model or the param groups (the
+        private copies of an export, such as ``FusedAdam(state_dict_cpu_offload=True)``'s
+        states) passed through, and the others (a CPU ``step`` or ``lr`` that the optimizer
+        or a scheduler updates in place) copied."""
+        state_dict = get_optimizer_state_dict(
+            model, optimizer, options=options or StateDictOptions()
+        )
+        live = set()
+        for states in optimizer.state.values():
+            live.update(_storages(states.values()))
+        for group in optimizer.param_groups:
+            live.update(_storages(v for k, v in group.items() if k != "params"))
+        live.update(_storages(model.parameters()))
+        live.update(_storages(model.buffers()))
+        private = {
+            id(t)
+            for t in _leaves(state_dict)
+            if _storage(t) is not None and _storage(t) not in live
+        }
+        return Private(state_dict, private)
+
+    # Lifecycle.
+
+    def cached_bytes(self):
+        """Bytes of pinned host memory the stager holds for the next checkpoint."""
+        return self._buffers.nbytes()
+
+    def synchronize_staging(self):
+        """Wait until the last staging is complete (as ``staging_completion`` does)."""
+        pending = self._pending
+        if pending is not None:
+            wait([pending])
+            self._drop_pending(pending)
+
+    def _drop_pending(self, future):
+        """Drop `future` (complete) unless a later stage() has put its own in its place."""
+        with self._pending_lock:  # reentrant: close() may be called from a signal handler
+            if self._pending is future:
+                self._pending = None
+
+    def close(self):
+        """Wait for the last staging, free the buffers (those that no upload still holds; the
+        others when it lets go) and empty PyTorch's cache of pinned memory (the process's:
+        other cached pinned blocks go too). The stager cannot stage again. It may be called
+        from a callback of ``staging_completion``; interrupted, it can be called again."""
+        with self._lock:
+            self._closed = True
+            if self._freed:
+                return
+        self.synchronize_staging()
+        self._copies = None
+        self._buffers.clear()
+        self._close_extensions()
+        self._freed = True
+        if torch.cuda.is_available():
+            empty_host_cache()
+
+    def _close_extensions(self):
+        """What a subclass undoes at close()."""
+
+
+def _storage(tensor):
+    """The address of `tensor`'s memory (its local tensor's for a DTensor), None if empty."""
+    if isinstance(tensor, DTensor):
+        tensor = tensor._local_tensor
+    if not isinstance(tensor, torch.Tensor):
+        return None
+    try:
+        address = tensor.untyped_storage().data_ptr()
+    except (RuntimeError, NotImplementedError, TypeError):  # a subclass without storage
+        return None  # (as a leaf of the export: copied, or refused)
+    return (tensor.device, address) if address else None
+
+
+def _storages(values):
+    return {s for s in map(_storage, values) if s is not None}
+
+
+def _leaves(value):
+    if isinstance(value, dict):
+        for v in value.values():
+            yield from _leaves(v)
+    elif isinstance(value, (list, tuple)):
+        for v in value:
+            yield from _leaves(v)
+    elif isinstance(value, torch.Tensor):
+        yield value
+
+
+def empty_host_cache():
+    """Free the pinned memory that PyTorch's caching host allocator keeps, where it can."""
+    accelerator = getattr(torch, "accelerator", None)
+    empty = getattr(accelerator, "empty_host_cache", None)  # torch >= 2.13
+    if empty is None:
+        empty = getattr(torch._C, "_host_emptyCache", None)  # pylint: disable=protected-access
+    if empty is not None:
+        empty()

@@ -1,0 +1,175 @@
+"""The walk of a state dict by a staging: what is copied, what is passed through, what is
+refused.
+
+Plain tensors and parameters (also as the local tensors of DTensors) are copied into the
+stager's buffers: CPU tensors at once, in ``stage()``, since nothing orders them against later
+updates; CUDA tensors on the stager's side stream. A CPU tensor is passed through only inside
+:class:`Private`, where the caller vouches that nothing changes it until the upload is done.
+Other tensor types are refused with a TypeError (a tensor subclass copied as its nominal dtype
+would be saved as something it is not). Other values are deep-copied, and values of the
+:class:`Extension` type stage themselves.
+"""
+
+import copy
+
+import torch
+from torch.distributed.tensor import DTensor
+
+__all__ = ["Extension", "Private", "Walk"]
+
+_PLAIN = (torch.Tensor, torch.nn.Parameter)
+
+
+class Extension:
+    """A value that a stager stages its own way: ``stage_in(walk, path)`` returns what the
+    staged state dict holds in its place. It is for its stager only: pickling or
+    deep-copying it (as ``dcp.save`` and other stagers do with values they do not know)
+    raises."""
+
+    what = "a value marked by a CheckpointStager"
+
+    def stage_in(self, walk, path):
+        """What the staged state dict holds at `path` in place of this value."""
+        raise NotImplementedError
+
+    def __reduce__(self):
+        raise TypeError(
+            f"{self.what} is staged only by its CheckpointStager: pass the state dict to "
+            "dcp.async_save(..., async_stager=stager)"
+        )
+
+
+class Private(Extension):
+    """`value` whose CPU tensors (those of `tensors`, ids, or all) are private copies that
+    nothing changes until the upload is done: passed through without a copy."""
+
+    def __init__(self, value, tensors=None):
+        self.value, self.tensors = value, tensors
+
+    def passes(self, tensor):
+        """Whether `tensor` is passed through."""
+        return self.tensors is None or id(tensor) in self.tensors
+
+    def stage_in(self, walk, path):
+        outer, walk.private = walk.private, self
+        try:
+            return walk.value(self.value, path)
+        finally:
+            walk.private = outer
+
+
+class Walk:
+    """One staging's walk of a state dict: the staged state dict it returns, and what the
+    stager does with it (the copies, the buffers used)."""
+
+    def __init__(self, stager, buffers):
+        self.stager, self.buffers = stager, buffers
+        self.cpu = []  # (buffer view, CPU tensor): copied in stage()
+        self.gpu = []  # (buffer view, CUDA tensor): copied on the side stream
+        self.deferred = []  # f(walk, stream), run once the GPU copies are enqueued (snapshot)
+        self.finish = []  # (event, f()): run on the host once the event is done (the widening)
+        self.paths = []  # paths of the buffers this staging uses
+        self.held = []  # paths whose last buffers an upload still holds: new ones
+        self.device = None  # the CUDA device of the copies
+        self.private = None  # the Private being walked
+        self.own = set()  # addresses of this staging's buffers that an Extension filled
+
+    def value(self, value, path):
+        """The staged form of `value`, at `path` in the state dict."""
+        if isinstance(value, Extension):
+            return value.stage_in(self, path)
+        if isinstance(value, torch.Tensor):
+            return self.tensor(value, path)
+        if isinstance(value, dict):
+            return {k: self.value(v, (*path, k)) for k, v in value.items()}
+        if isinstance(value, (list, tuple)) and type(value) in (list, tuple):
+            return type(value)(self.value(v, (*path, i)) for i, v in enumerate(value))
+        return copy.deepcopy(value)
+
+    def tensor(self, tensor, path):
+        """A staged copy of `tensor`, or `tensor` itself where it is private."""
+        if isinstance(tensor, DTensor):
+            local = tensor._local_tensor
+            _check_type(local, path)
+            if self._passes(tensor, local):
+                return tensor
+            # As DTensor.to("cpu") makes it, the same spec (mesh, placements, shape, stride)
+            # around a CPU local tensor. (DTensor.from_local() would move it to the mesh's
+            # device.)
+            return DTensor(self._copy(local, path), tensor._spec, requires_grad=False)
+        _check_type(tensor, path)
+        if self._passes(tensor, tensor):
+            return tensor
+        return self._copy(tensor, path)
+
+    def _passes(self, tensor, local):
+        if local.device.type != "cpu":
+            return False
+        if local.untyped_storage().data_ptr() in self.own:
+            return True
+        return self.private is not None and self.private.passes(tensor)
+
+    def _copy(self, tensor, path):
+        device = self.stager._copy_device(tensor, path)
+        view = self.buffer(path, tensor.shape, tensor.dtype)
+        if device is None:
+            self.cpu.append((view, tensor))
+        else:
+            self.use_device(device, path)
+            self.gpu.append((view, tensor))
+        return view
+
+    def buffer(self, path, shape, dtype):
+        """A view of the stager's buffer of `path` for this staging."""
+        view, held = self.buffers.view(path, shape, dtype)
+        self.paths.append(path)
+        if held:
+            self.held.append(path)
+        return view
+
+    def use_device(self, device, path):
+        """Note that `path` is copied from `device`: one device per staging."""
+        if self.device is None:
+            self.device = device
+        elif device != self.device:
+            raise RuntimeError(
+                "CheckpointStager stages the tensors of one CUDA device per process; "
+                f"{name(path)} is on {device}, others on {self.device}"
+            )
+
+
+def _check_type(tensor, path):
+    """Refuse what a copy into a buffer of its dtype would not save as it is."""
+    if type(tensor) not in _PLAIN:
+        raise TypeError(_refusal(tensor, path))
+    if tensor.layout != torch.strided:
+        raise TypeError(
+            f"CheckpointStager stages strided tensors; {name(path)} has layout {tensor.layout}"
+        )
+
+
+def _refusal(tensor, path):
+    kind = type(tensor).__name__
+    classes = {c.__name__ for c in type(tensor).__mro__}
+    if "QuantizedTensor" in classes or "QuantizedTensorStorage" in classes:
+        advice = (
+            "TE's quantized weights (fp8_model_init, quantized_model_init) keep their data and "
+            "scales in inner tensors, which a copy in its nominal dtype would save dequantized: "
+            "save such a model with DCP's own staging (dcp.async_save without async_stager)"
+        )
+    elif "ShardedTensor" in classes:
+        advice = (
+            "FSDP1's sharded state dicts hold ShardedTensors; use FSDP2 (fully_shard), whose "
+            "state dicts hold DTensors"
+        )
+    else:
+        advice = "convert it to a plain tensor first, or stage it with DCP's own staging"
+    return (
+        "CheckpointStager stages plain tensors and parameters (also as the local tensors of "
+        f"DTensors); {name(path)} is a {kind}: {advice}"
+    )
+
+
+def name(path):
+    """A path in a state dict, for messages."""
+    return "/".join(map(str, path))

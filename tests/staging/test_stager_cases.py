@@ -1,0 +1,328 @@
+"""GPU tests of the cases that a checkpoint could get wrong silently: each checkpoint, read
+back raw (DCP's own conversion to a torch.save file, not a load into a template that could
+hide a difference), is bitwise the state at the moment of dcp.async_save, also when training
+goes on at once. One GPU is enough:
+
+  torchrun --nproc_per_node=1 -m pytest -q tests/staging
+"""
+
+import os
+import time
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    pytest.skip("needs a CUDA GPU", allow_module_level=True)
+
+# pylint: disable=wrong-import-position
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_optimizer_state_dict,
+)
+from torch.distributed.tensor import DTensor
+
+import transformer_engine.pytorch as te
+
+from te_fusedadam_offload.staging import CheckpointStager
+
+from test_checkpoint_stager import _build, _step  # beside this file
+
+OFFLOAD = StateDictOptions(cpu_offload=True)
+
+
+def _flat(value, path=()):
+    """{path: leaf} of nested dicts, lists and tuples (keys as strings, DTensors as their
+    local tensors, tensors as CPU copies): the state dict at one moment."""
+    if isinstance(value, dict):
+        items = value.items()
+    elif isinstance(value, (list, tuple)):
+        items = enumerate(value)
+    else:
+        if isinstance(value, DTensor):
+            value = value._local_tensor
+        if isinstance(value, torch.Tensor):
+            value = value.detach().to("cpu", copy=True).contiguous()
+        return {path: value}
+    out = {}
+    for key, item in items:
+        out.update(_flat(item, (*path, str(key))))
+    return out
+
+
+def _raw(path):
+    """The checkpoint at `path` as written (one rank here: local tensors are whole)."""
+    dcp_to_torch_save(path, path + ".pt")
+    return _flat(torch.load(path + ".pt", weights_only=False))
+
+
+def _same(got, expected):
+    assert got.keys() == expected.keys(), sorted(set(got) ^ set(expected))
+    for key, value in expected.items():
+        if isinstance(value, torch.Tensor):
+            assert isinstance(got[key], torch.Tensor), key
+            assert got[key].dtype == value.dtype and got[key].shape == value.shape, key
+            assert torch.equal(
+                got[key].view(-1).view(torch.uint8), value.view(-1).view(torch.uint8)
+            ), key
+        else:
+            assert got[key] == value, key
+
+
+def _hold(stager, cycles=5 * 10**8):
+    """Hold the stager's side stream back (its copies start later), once it exists."""
+    if stager._stream is not None:
+        with torch.cuda.stream(stager._stream):
+            torch.cuda._sleep(cycles)
+
+
+def test_batchnorm_statistics_updated_at_once_under_async_staging(ckpt_root):
+    """Train-mode forwards right after async_save update BatchNorm's running statistics in
+    place on the current stream, while the side stream copies (held back, a large tensor
+    first). Before, the saved running_mean was not the one at async_save (3 of 3 on an
+    H200); the current stream now waits for the copies."""
+    torch.manual_seed(0)
+    big = torch.randn(2**26, device="cuda")
+    model = torch.nn.Sequential(torch.nn.Linear(256, 256), torch.nn.BatchNorm1d(256)).cuda()
+    stager = CheckpointStager(async_staging=True)
+    group = dist.new_group(backend="gloo")
+    for n in range(3):
+        model(torch.randn(64, 256, device="cuda"))
+        state = {"big": big, "model": get_model_state_dict(model)}
+        expected = _flat(state)
+        _hold(stager)
+        path = os.path.join(ckpt_root, f"bn{n}")
+        result = dcp.async_save(state, checkpoint_id=path, process_group=group, async_stager=stager)
+        del state
+        for _ in range(5):  # at once, as the docs allow
+            model(torch.randn(64, 256, device="cuda") * (n + 2))
+        result.upload_completion.result()
+        _same(_raw(path), expected)
+    stager.close()
+
+
+def test_adamw_cpu_step_and_tensor_lr_with_a_scheduler(ckpt_root):
+    """torch's AdamW (FSDP2) keeps `step` on the CPU and increments it in place; a scheduler
+    fill_()s its tensor lr; both change right after async_save (optimizer.step() without
+    waiting for the staging), and so do the GPU states and parameters. Before, the CPU
+    tensors were saved with their later values."""
+    model, _ = _build()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=torch.tensor(1e-3), foreach=False)
+    scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=0.5)
+    stager = CheckpointStager(async_staging=True)
+    group = dist.new_group(backend="gloo")
+
+    def train(step):
+        _step(model, optimizer, step)
+        scheduler.step()
+
+    for n in range(3):
+        train(10 * n)
+        state = {
+            "model": get_model_state_dict(model),
+            "optim": get_optimizer_state_dict(model, optimizer),
+        }
+        expected = _flat(state)
+        _hold(stager)
+        path = os.path.join(ckpt_root, f"adamw{n}")
+        result = dcp.async_save(state, checkpoint_id=path, process_group=group, async_stager=stager)
+        del state
+        for k in range(3):
+            train(10 * n + k + 1)
+        result.upload_completion.result()
+        _same(_raw(path), expected)
+    stager.close()
+
+
+def _snapshot_checkpoints(model, optimizer, ckpt_root, name, count=3):
+    """`count` checkpoints with the optimizer snapshot, async staging, optimizer.step()
+    right after each async_save (the side stream held back): each read back raw is the model
+    and FusedAdam's export at async_save."""
+    stager = CheckpointStager(async_staging=True)
+    group = dist.new_group(backend="gloo")
+    for n in range(count):
+        _step(model, optimizer, 10 * n)
+        expected = _flat(
+            {
+                "model": get_model_state_dict(model),
+                "optim": get_optimizer_state_dict(model, optimizer, options=OFFLOAD),
+            }
+        )
+        state = {
+            "model": get_model_state_dict(model),
+            "optim": stager.optimizer_snapshot(model, optimizer),
+        }
+        _hold(stager)
+        path = os.path.join(ckpt_root, f"{name}{n}")
+        result = dcp.async_save(state, checkpoint_id=path, process_group=group, async_stager=stager)
+        del state
+        _step(model, optimizer, 10 * n + 1)  # not waiting for the staging
+        result.upload_completion.result()
+        _same(_raw(path), expected)
+    stager.close()
+
+
+def test_capturable_fused_adam_snapshot(ckpt_root):
+    """capturable=True: FusedAdam's step and lr live on the GPU in the param groups (copied
+    with the model's tensors, before the current stream goes on)."""
+    model, optimizer = _build(capturable=True)
+    _snapshot_checkpoints(model, optimizer, ckpt_root, "capturable")
+
+
+def test_fp16_master_weights_snapshot(ckpt_root):
+    """FP16 master weights: unscaled to FP32 on the side stream, as the export makes them."""
+    model, optimizer = _build(master_weight_dtype=torch.float16)
+    _snapshot_checkpoints(model, optimizer, ckpt_root, "fp16master")
+
+
+def _fp8_model():
+    init = getattr(te, "quantized_model_init", None) or te.fp8_model_init
+    with init(enabled=True):
+        model = torch.nn.Sequential(te.Linear(256, 256), te.Linear(256, 256)).cuda()
+    optimizer = te.optimizers.FusedAdam(
+        model.parameters(), lr=1e-3, master_weights=True, state_dict_cpu_offload=True
+    )
+    return model, optimizer
+
+
+def _fp8_step(model, optimizer):
+    autocast = getattr(te, "autocast", None) or te.fp8_autocast
+    with autocast(enabled=True):
+        out = model(torch.randn(32, 256, device="cuda"))
+    out.float().square().mean().backward()
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+
+
+def test_fp8_weights_are_refused_and_their_fused_adam_snapshot_is_whole(ckpt_root):
+    """TE FP8 weights (quantized_model_init / fp8_model_init) are QuantizedTensors: before,
+    copied into buffers of their nominal dtype (saved dequantized). Now async_save raises a
+    TypeError that says what to do, before anything is copied or written, the stager stays
+    usable, and the snapshot of their FusedAdam (FP32 master weights) saves bitwise."""
+    model, optimizer = _fp8_model()
+    _fp8_step(model, optimizer)
+    stager = CheckpointStager(async_staging=True)
+    group = dist.new_group(backend="gloo")
+    refused = os.path.join(ckpt_root, "fp8-refused")
+    with pytest.raises(TypeError, match="TE's quantized weights"):
+        dcp.async_save(
+            {
+                "model": get_model_state_dict(model),
+                "optim": stager.optimizer_snapshot(model, optimizer),
+            },
+            checkpoint_id=refused,
+            process_group=group,
+            async_stager=stager,
+        )
+    assert not os.path.exists(os.path.join(refused, ".metadata"))
+    for n in range(2):
+        expected = _flat({"optim": get_optimizer_state_dict(model, optimizer, options=OFFLOAD)})
+        path = os.path.join(ckpt_root, f"fp8-optim{n}")
+        result = dcp.async_save(
+            {"optim": stager.optimizer_snapshot(model, optimizer)},
+            checkpoint_id=path,
+            process_group=group,
+            async_stager=stager,
+        )
+        _fp8_step(model, optimizer)
+        result.upload_completion.result()
+        _same(_raw(path), expected)
+    stager.close()
+
+
+class _Odd(torch.Tensor):
+    """A tensor subclass the stager does not know."""
+
+
+def test_an_exception_mid_walk_leaves_nothing_and_the_next_checkpoint_is_whole(ckpt_root):
+    """A refused value in the middle of the state dict, after the model's tensors and the
+    snapshot: async_save raises, nothing is enqueued (the step does not wait for copies),
+    nothing is written, and the next checkpoint is whole."""
+    model, optimizer = _build()
+    _step(model, optimizer, 0)
+    stager = CheckpointStager(async_staging=True)
+    group = dist.new_group(backend="gloo")
+    bad = os.path.join(ckpt_root, "bad")
+    state = {
+        "model": get_model_state_dict(model),
+        "optim": stager.optimizer_snapshot(model, optimizer),
+        "odd": torch.ones(4, device="cuda").as_subclass(_Odd),
+    }
+    with pytest.raises(TypeError, match="is a _Odd"):
+        dcp.async_save(state, checkpoint_id=bad, process_group=group, async_stager=stager)
+    assert stager._copies is None and not os.path.exists(os.path.join(bad, ".metadata"))
+    _snapshot_checkpoints(model, optimizer, ckpt_root, "after-bad", count=1)
+    stager.close()
+
+
+@pytest.mark.parametrize("where", ["training_thread", "staging_completion"])
+def test_close_during_staging(ckpt_root, where):
+    """close() while the staging's copies are held back on the side stream (from the
+    training thread), or from a staging_completion callback (the stager's own thread): it
+    waits for the staging, and the upload is whole."""
+    model, optimizer = _build()
+    stager = CheckpointStager(async_staging=True)
+    group = dist.new_group(backend="gloo")
+    _step(model, optimizer, 0)
+    stager.stage({"model": get_model_state_dict(model)}).result()  # the side stream exists
+    _step(model, optimizer, 1)
+    expected = _flat(
+        {
+            "model": get_model_state_dict(model),
+            "optim": get_optimizer_state_dict(model, optimizer, options=OFFLOAD),
+        }
+    )
+    state = {
+        "model": get_model_state_dict(model),
+        "optim": stager.optimizer_snapshot(model, optimizer),
+    }
+    _hold(stager)
+    path = os.path.join(ckpt_root, f"close-{where}")
+    result = dcp.async_save(state, checkpoint_id=path, process_group=group, async_stager=stager)
+    del state
+    assert not result.staging_completion.done()
+    outcome = []
+
+    def close(_):
+        try:
+            stager.close()
+            outcome.append("closed")
+        except BaseException as exc:  # pylint: disable=broad-exception-caught
+            outcome.append(exc)
+
+    if where == "staging_completion":
+        result.staging_completion.add_done_callback(close)
+    else:
+        close(None)  # waits for the staging
+        assert stager._pending is None
+    _step(model, optimizer, 2)
+    result.upload_completion.result()
+    result.staging_completion.result()
+    deadline = time.monotonic() + 10  # the callback runs in the stager's thread
+    while not outcome and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert outcome == ["closed"] and stager.cached_bytes() == 0
+    _same(_raw(path), expected)
+
+
+def test_staged_parameters_record_no_autograd_history():
+    """The model's parameters (FSDP2 DTensors, requires_grad) staged from the GPU, with
+    autograd on: the staged copies and the kept buffers are leaves without grad, at every
+    checkpoint (before, each buffer's grad_fn chain grew by one per checkpoint)."""
+    model, _ = _build()
+    params = dict(model.named_parameters())
+    stager = CheckpointStager(async_staging=True)
+    for _ in range(3):
+        staged = stager.stage({"model": params}).result()
+        for key, value in staged["model"].items():
+            local = value._local_tensor if isinstance(value, DTensor) else value
+            assert not value.requires_grad and local.grad_fn is None, key
+        del staged, value, local
+    for buffer, _ in stager._buffers._entries.values():
+        assert buffer.is_leaf and not buffer.requires_grad
+    assert all(p.grad is None for p in params.values())
+    stager.close()
