@@ -19,7 +19,7 @@ QKV, projection, MLP, biases and layer norms). Designs:
   pipeline_e42bac8 PR 1's pipeline before this table (commit e42bac8): pinned ring, CPU threads
                    that wait for CUDA events, thread count from CPUs, LOCAL_WORLD_SIZE, threads
   threads_W        PR 1 as patched into this TE (state_dict_cpu_offload=True) with W CPU threads
-                   (fused_adam._OFFLOAD_THREADS = W): no CUDA calls in the threads
+                   (NVTE_FUSED_ADAM_STATE_DICT_THREADS=W): no CUDA calls in the threads
   pinned_out       the CPU tensors allocated pinned (PyTorch's caching host allocator, so kept
                    between exports) and filled by the copy engine: holds host memory
   stager_snapshot  te_fusedadam_offload.staging.CheckpointStager(async_staging=True), one for
@@ -222,12 +222,17 @@ def export_stager_snapshot(opt, stager, timing):
 
 def export_threads(opt, threads):
     """PR 1 as patched into this TE, with `threads` CPU threads."""
-    fused_adam._OFFLOAD_THREADS = threads
+    old = os.environ.get("NVTE_FUSED_ADAM_STATE_DICT_THREADS")
+    os.environ["NVTE_FUSED_ADAM_STATE_DICT_THREADS"] = str(threads)  # read at each export
     opt.state_dict_cpu_offload = True
     try:
         return opt.state_dict()
     finally:
         opt.state_dict_cpu_offload = False
+        if old is None:
+            del os.environ["NVTE_FUSED_ADAM_STATE_DICT_THREADS"]
+        else:
+            os.environ["NVTE_FUSED_ADAM_STATE_DICT_THREADS"] = old
 
 
 def _pinned_reserved():

@@ -161,7 +161,8 @@ def plot_throughput(rows, source, out):
 
 LOAD_LABELS = {
     "load_default": "today: load_state_dict()",
-    "load_offload": "state_dict_cpu_offload=True",
+    "load_offload": "state_dict_cpu_offload=True",  # rows from before load_state_dict_in_place
+    "load_in_place": "load_state_dict_in_place=True",
 }
 
 

@@ -23,7 +23,8 @@ def test_wheel_carries_the_series(wheel):
     assert "te_fusedadam_offload/_data/upstream.json" in names
     assert "te_fusedadam_offload/_data/patches/series" in names
     assert "te_fusedadam_offload/_data/compat/te-2.14.0-2.16.1.patch" in names
-    assert "te_fusedadam_offload/staging.py" in names
+    assert "te_fusedadam_offload/staging/__init__.py" in names
+    assert "te_fusedadam_offload/maintainers/commands.py" in names
     assert not any(n.startswith("build_tools/") for n in names)
     entry = [n for n in names if n.endswith("entry_points.txt")][0]
     assert (
