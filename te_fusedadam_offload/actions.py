@@ -11,7 +11,7 @@ from pathlib import Path
 
 from .errors import NeedsError, ToolError
 from .patching import all_apply, failure, git, git_am, touched
-from .saved import BACKUP_DIR, modes, remove_stale_files, replace_files, write_files
+from .saved import BACKUP_DIR, Backup, modes, remove_stale_files, replace_files, write_files
 from .series import compat_patches, patch_files, patch_label
 from .report import drift_message
 from .state import APPLIED, DRIFTED, NOT_APPLIED, State
@@ -32,6 +32,7 @@ def apply(target, patches=None):
         return "already applied; nothing to do"
     if state.overall == DRIFTED or older_than_supported(te_version(target)):
         raise ToolError(drift_message(target, state.rows, "apply", state.edited))
+    state.backup.refuse_unreadable("apply")  # it would write over what it cannot read
     originals, contents = state.changes()
     replace_files(state.backup, originals, contents, state.relevant)
     done = f"applied {len(state.relevant) - state.applied} patch(es) to {target.subtree}/"
@@ -53,6 +54,7 @@ def _state_to_change(target, patches):
     remove_stale_files(target)
     state = State(target, patches)
     if state.saved and set(state.saved.values()) == {"original"}:
+        state.backup.refuse_unreadable("apply")
         state.backup.remove()
         state = State(target, patches)
     return state
@@ -63,6 +65,7 @@ def _complete(state):
     todo = [rel for rel, s in state.saved.items() if s == "original"]
     if not todo:
         return "already applied; nothing to do"
+    state.backup.refuse_unreadable("apply")
     contents = state.after_saved()
     file_modes = {rel: state.backup.state[rel]["mode"] for rel in todo}
     write_files(state.target, {rel: contents[rel] for rel in todo}, file_modes, "apply")
@@ -117,6 +120,7 @@ def revert(target, discard_edits=False):
     if target.kind == "checkout":
         return _revert_checkout(State(target))
     if target.leftover:
+        Backup(target).refuse_unreadable("revert")
         shutil.rmtree(target.root / target.subtree / BACKUP_DIR)
         if not any((target.root / target.subtree).iterdir()):
             (target.root / target.subtree).rmdir()
@@ -126,6 +130,7 @@ def revert(target, discard_edits=False):
         )
     remove_stale_files(target)
     state = State(target)
+    state.backup.refuse_unreadable("revert")
     if state.from_saved:  # also in a source checkout, where an earlier version applied it so
         return _restore_saved(state)
     changed = state.changed_since_apply()  # the saved originals are written back without git
@@ -143,7 +148,10 @@ def revert(target, discard_edits=False):
         ) from exc
     if state.overall == NOT_APPLIED:
         if state.saved:  # of a TE that was reinstalled or upgraded since: they restore nothing now
-            shutil.rmtree(state.backup.dir)
+            try:
+                state.backup.remove()
+            except OSError as exc:
+                raise ToolError(f"could not remove {state.backup.dir}: {exc}") from exc
             return (
                 "not applied (TE was reinstalled or upgraded since the last apply); removed the "
                 "original files saved then"
@@ -260,9 +268,9 @@ def dry_run(target, patches=None):
                 (scratch / rel).parent.mkdir(parents=True, exist_ok=True)
                 shutil.copy2(target.root / rel, scratch / rel)
         (scratch / target.subtree).mkdir(parents=True, exist_ok=True)
-        if (package / BACKUP_DIR).is_dir():
-            shutil.copytree(package / BACKUP_DIR, scratch / target.subtree / BACKUP_DIR)
+        _copy_readable(package / BACKUP_DIR, scratch / target.subtree / BACKUP_DIR)
         copy = Target(scratch, target.kind, target.python)
+        copy.unreadable_backup = Backup(target).unreadable  # as apply would find it
         try:
             message = apply(copy, patches).replace(str(copy.root), str(target.root))
         except ToolError as exc:
@@ -271,6 +279,19 @@ def dry_run(target, patches=None):
             rel: (scratch / rel).read_bytes() for rel in changed if (scratch / rel).is_file()
         }
         return message, _diff(target.root, contents)
+
+
+def _copy_readable(src, dst):
+    """Copy the files under `src` that this user can read to `dst` (what apply saved as
+    another user may not be readable: Backup.unreadable says so to the copy)."""
+    for path in sorted(src.rglob("*")):
+        if path.is_file():
+            try:
+                data = path.read_bytes()
+            except PermissionError:
+                continue
+            (dst / path.relative_to(src)).parent.mkdir(parents=True, exist_ok=True)
+            (dst / path.relative_to(src)).write_bytes(data)
 
 
 def _diff(root, contents):

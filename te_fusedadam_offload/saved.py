@@ -116,11 +116,19 @@ class Backup:
         self.target = target
         self.dir = target.root / target.subtree / BACKUP_DIR
         self.state = self.meta = None
+        # What this user may not read (PermissionError): saved by another user. Never taken
+        # for stale; what needs it is refused (refuse_unreadable). A dry run's scratch copy
+        # carries that of the target it copies.
+        self.unreadable = getattr(target, "unreadable_backup", None)
         try:
             meta = json.loads((self.dir / STATE_FILE).read_text(encoding="utf-8"))
             state = meta["files"]
-            if all(self.original(rel, state) is not None for rel in state):
+            found = [self.original(rel, state) for rel in state]
+            # state.json is written last: where an original cannot be read, it counts.
+            if self.unreadable or all(data is not None for data in found):
                 self.state, self.meta = state, meta
+        except PermissionError as exc:
+            self.unreadable = exc
         except (OSError, ValueError, KeyError, TypeError):
             pass  # none, or not complete: no file was replaced after it
 
@@ -129,12 +137,27 @@ class Backup:
         state = state or self.state
         try:
             data = (self.dir / "original" / rel).read_bytes()
+        except PermissionError as exc:
+            self.unreadable = self.unreadable or exc
+            return None
         except OSError:
             return None
         return data if sha256(data) == state[rel]["original"] else None
 
+    def refuse_unreadable(self, action="this command"):
+        """Raise ToolError if some of what apply saved cannot be read by this user: `action`
+        needs it (or would change it) and changes nothing."""
+        if self.unreadable is not None:
+            exc = self.unreadable
+            raise ToolError(
+                f"cannot read {exc.filename or self.dir}: {exc.strerror or exc} (apply saved it "
+                f"as another user); {action} needs it: run {action} as that user, or as one who "
+                f"can read {self.dir}; nothing was changed"
+            )
+
     def originals(self):
         """{path: saved original bytes}."""
+        self.refuse_unreadable()
         return {rel: self.original(rel) for rel in self.state}
 
     def states(self):
@@ -159,7 +182,7 @@ class Backup:
         for rel, data in originals.items():
             path = self.dir / "original" / rel
             path.parent.mkdir(parents=True, exist_ok=True)
-            write_file(path, data, 0o600)
+            write_file(path, data, file_modes[rel] & 0o666)  # readable by whoever reads the file
         state = {
             rel: {
                 "mode": file_modes[rel],
@@ -176,6 +199,7 @@ class Backup:
 
     def remove(self):
         """Forget the originals: the state file first, then the rest."""
+        self.refuse_unreadable()
         fault("unlink")
         (self.dir / STATE_FILE).unlink(missing_ok=True)
         _sync_dir(self.dir)
@@ -190,8 +214,11 @@ def remove_stale_files(target):
     dirs.add(backup.dir)
     for directory in dirs:
         for stale in directory.glob(f".*{TMP_SUFFIX}"):
-            stale.unlink()
-    if backup.state is None and backup.dir.is_dir():
+            try:
+                stale.unlink()
+            except PermissionError:
+                pass  # another user's, in a directory that this one cannot write: harmless
+    if backup.state is None and backup.unreadable is None and backup.dir.is_dir():
         shutil.rmtree(backup.dir)
 
 
