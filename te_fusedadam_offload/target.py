@@ -5,6 +5,7 @@ import json
 import os
 import re
 import shutil
+import signal
 import subprocess
 import sys
 from functools import cached_property
@@ -175,6 +176,9 @@ _FIND_TE = (
 )
 
 
+PROBE_TIMEOUT = 60  # seconds that the Python of --python has to answer where its TE is
+
+
 def _not_python(python, why):
     return NeedsError(f"--python {python}: not a Python interpreter that can be used: {why}")
 
@@ -187,19 +191,11 @@ def _installed_location(python):
         hint = f" (the Python of this environment is {Path(python) / inside})" if inside else ""
         raise _not_python(python, f"it is a directory{hint}")
     try:
-        result = subprocess.run(
-            [python, "-c", _FIND_TE],
-            cwd="/",
-            capture_output=True,
-            text=True,
-            stdin=subprocess.DEVNULL,
-            timeout=120,
-            check=False,
-        )
+        result = _probe(python)
     except OSError as exc:
         raise _not_python(python, f"cannot run it: {exc.strerror or exc}") from exc
     except subprocess.TimeoutExpired as exc:
-        raise _not_python(python, "it did not answer within 120 s") from exc
+        raise _not_python(python, f"it did not answer within {PROBE_TIMEOUT} s") from exc
     lines = result.stdout.strip().splitlines()
     try:
         locations = json.loads(lines[-1])["te_fusedadam_offload"] if lines else None
@@ -216,6 +212,29 @@ def _installed_location(python):
         what = f"exited with status {result.returncode}" if result.returncode else "ran"
         raise _not_python(python, f"{what} without answering as a Python does{said}")
     return Path(locations[0]).parent if locations else None
+
+
+def _probe(python):
+    """Run the query of _FIND_TE in `python`, in a session of its own: after PROBE_TIMEOUT
+    seconds, it and whatever it started (which may hold its output open) are killed."""
+    with subprocess.Popen(
+        [python, "-c", _FIND_TE],
+        cwd="/",
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    ) as process:
+        try:
+            stdout, stderr = process.communicate(timeout=PROBE_TIMEOUT)
+        except BaseException:
+            try:
+                os.killpg(process.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            raise
+    return subprocess.CompletedProcess(process.args, process.returncode, stdout, stderr)
 
 
 def find_target(path=None, installed=False, python=None):

@@ -8,7 +8,9 @@ import shutil
 import signal
 import subprocess
 import sys
+import time
 import zipfile
+from pathlib import Path
 
 import pytest
 from support import (
@@ -27,6 +29,7 @@ from support import (
 
 import te_fusedadam_offload
 from te_fusedadam_offload import series, target, upstream
+from te_fusedadam_offload.errors import NeedsError
 from te_fusedadam_offload.maintainers import commands as maintainers, mainline
 
 
@@ -486,3 +489,26 @@ def test_a_ctrl_c_that_python_cannot_raise_prints_no_traceback():
     assert result.returncode == 0
     assert "KeyboardInterrupt" not in result.stderr
     assert "RuntimeError: another error" in result.stderr
+
+
+def test_python_that_never_answers_is_given_up_after_the_probe_timeout(tmp_path, monkeypatch):
+    """--python a program that never answers hung: one whose child kept its output open
+    outlived the timeout. The probe's whole session is killed after PROBE_TIMEOUT (exit 4)."""
+    pid_file = tmp_path / "child.pid"
+    silent = tmp_path / "silent-python"
+    silent.write_text(f"#!/bin/sh\nsleep 300 &\necho $! > {pid_file}\nwait\n")
+    silent.chmod(0o755)
+    monkeypatch.setattr(target, "PROBE_TIMEOUT", 1)
+    started = time.monotonic()
+    with pytest.raises(NeedsError) as caught:
+        target.find_target(python=str(silent))
+    assert time.monotonic() - started < 30
+    assert caught.value.code == 4 and "did not answer within 1 s" in str(caught.value)
+    child = pid_file.read_text().strip()
+    for _ in range(100):  # killed with it (reaped by init, or a zombie until then)
+        stat = Path(f"/proc/{child}/stat")
+        if not stat.exists() or stat.read_text().split(") ")[-1].startswith("Z"):
+            break
+        time.sleep(0.1)
+    else:
+        pytest.fail(f"the probe's child {child} is still running")
