@@ -240,12 +240,16 @@ def _probe(python):
 def find_target(path=None, installed=False, python=None):
     """The target named by a path, or the TE that this Python (or `python`) imports."""
     if installed or python is not None or path is None:
-        python = python or sys.executable
+        given = python = python or sys.executable
         if os.sep in python:  # a path (venv/bin/python): from here, not from where it is run
             python = os.path.abspath(python)
+        else:  # a name (python3): looked up on PATH, as a shell does
+            python = shutil.which(python) or python
         root = _installed_location(python)
         if root is None:
             where = "this Python environment" if python == sys.executable else python
+            if given not in (python, sys.executable):
+                where += f" (--python {given})"
             raise NoTargetError(
                 f"transformer_engine is not installed in {where} "
                 "(pass the path of a TE tree instead)"

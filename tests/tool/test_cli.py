@@ -506,9 +506,27 @@ def test_python_that_never_answers_is_given_up_after_the_probe_timeout(tmp_path,
     assert caught.value.code == 4 and "did not answer within 1 s" in str(caught.value)
     child = pid_file.read_text().strip()
     for _ in range(100):  # killed with it (reaped by init, or a zombie until then)
-        stat = Path(f"/proc/{child}/stat")
-        if not stat.exists() or stat.read_text().split(") ")[-1].startswith("Z"):
+        try:
+            if Path(f"/proc/{child}/stat").read_text().split(") ")[-1].startswith("Z"):
+                break
+        except FileNotFoundError:
             break
         time.sleep(0.1)
     else:
         pytest.fail(f"the probe's child {child} is still running")
+
+
+def test_python_given_by_name_is_found_on_path_and_named_by_its_path(tmp_path):
+    """--python NAME is looked up on PATH, and "transformer_engine is not installed in NAME"
+    did not say which interpreter that was: the error names the path it found."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    python = bin_dir / "teless-python"
+    python.write_text(f'#!/bin/sh\nexec env -u PYTHONPATH {sys.executable} "$@"\n')
+    python.chmod(0o755)
+    path = f"{bin_dir}{os.pathsep}{os.environ.get('PATH', '')}"
+    result = run_tool(["status", "--python", "teless-python"], cwd=tmp_path, PATH=path)
+    assert result.returncode == 3, result.stderr
+    assert (
+        f"transformer_engine is not installed in {python} (--python teless-python)" in result.stderr
+    )
