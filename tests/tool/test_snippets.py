@@ -214,3 +214,14 @@ def test_the_configuration_snippet_names_the_option_and_a_real_target(pristine):
     init = pristine / module.replace(".", "/") / "__init__.py"
     assert re.search(rf"\bimport\b.*\b{name}\b", init.read_text(encoding="utf-8")), target
     assert re.search(r"^\s*state_dict_cpu_offload: true$", block.code, re.M)
+
+
+def test_each_way_out_that_reinstalls_te_says_to_delete_what_apply_saved():
+    """A reinstall of TE gives back its files but leaves what apply saved, which pip does not
+    know about: where the README or docs/ tell to reinstall TE to take the series out, the
+    paragraph says to delete transformer_engine/.te_fusedadam_offload/ too."""
+    pages = [REPO / "README.md", *sorted((REPO / "docs").rglob("*.rst"))]
+    for page in pages:
+        for paragraph in re.split(r"\n\s*\n", page.read_text(encoding="utf-8")):
+            if "--force-reinstall" in paragraph:
+                assert ".te_fusedadam_offload" in paragraph, (page.name, paragraph)
