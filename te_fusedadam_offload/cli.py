@@ -55,7 +55,12 @@ def _print_status(state):
 def cmd_status(args):
     """Tell whether the series is applied, not applied, interrupted or drifted, per patch and
     file. Exit 0 if it is applied, 1 otherwise."""
-    state = State(_target(args))
+    try:
+        state = State(_target(args))
+    except ToolError as exc:  # with --json, the error as JSON too; the exit status is kept
+        if args.json:
+            print(json.dumps({"error": str(exc), "exit_status": exc.code}, indent=2))
+        raise
     target = state.target
     if args.json:
         rows, overall = state.rows, state.overall

@@ -530,3 +530,12 @@ def test_python_given_by_name_is_found_on_path_and_named_by_its_path(tmp_path):
     assert (
         f"transformer_engine is not installed in {python} (--python teless-python)" in result.stderr
     )
+
+
+def test_status_json_says_an_error_as_json_with_the_exit_status(tmp_path):
+    """status --json /nonexistent printed nothing on standard output (exit 3)."""
+    result = run_tool(["status", "--json", str(tmp_path / "nonexistent")])
+    assert result.returncode == 3
+    found = json.loads(result.stdout)
+    assert found == {"error": f"{tmp_path / 'nonexistent'} does not exist", "exit_status": 3}
+    assert "does not exist" in result.stderr
