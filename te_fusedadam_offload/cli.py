@@ -79,6 +79,12 @@ def cmd_status(args):
         print(json.dumps(report, indent=2))
     else:
         overall = _print_status(state)
+        left_out = sum(what == NOT_FOR_TARGET for _, what, _ in state.rows)
+        if left_out:
+            print(
+                f"  ({len(state.rows) - left_out} of the series' {len(state.rows)} patches change "
+                f"{target.subtree}/; the others are TE's tests and docs)"
+            )
         for rel, what in file_report(state):
             print(f"  {rel}: {what}")
         for note in notes(state, overall):

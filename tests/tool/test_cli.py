@@ -252,7 +252,14 @@ def test_status_prints_no_line_for_the_patches_that_are_not_for_the_target(tree)
     lines on every run; --json still lists every patch."""
     result = run_tool(["status", str(tree)])
     assert "not for this target" not in result.stdout
-    assert len(result.stdout.splitlines()) == 1 + len(release_patches()) + 1  # + fused_adam.py
+    assert len(result.stdout.splitlines()) == 1 + len(release_patches()) + 2  # + fused_adam.py
+    # One line says why the patch lines are fewer than the series' patches.
+    total, ours = len(series.patch_files()), len(release_patches())
+    assert (
+        f"  ({ours} of the series' {total} patches change transformer_engine/; the others are "
+        "TE's tests and docs)"
+        in result.stdout.splitlines()
+    )
     found = json.loads(run_tool(["status", "--json", str(tree)]).stdout)
     assert len(found["patches"]) == len(series.patch_files())
 
