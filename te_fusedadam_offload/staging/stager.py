@@ -56,7 +56,9 @@ class PinnedStager(AsyncStager):
         self._buffers = BufferCache(pin_memory=torch.cuda.is_available())
         self.overlapping_stagings = 0  # stagings that got new buffers: the old ones in use
         self._stream = None
-        self._lock = threading.Lock()
+        # Reentrant: a signal handler may call close() in the thread that is in stage().
+        self._lock = threading.RLock()
+        self._staging = False  # stage() is running (in the thread that holds the lock)
         self._closed = False
         self._freed = False
         # The future of the staging under way, until it is complete (then dropped: it holds
@@ -88,21 +90,30 @@ class PinnedStager(AsyncStager):
                     "complete; wait for its staging_completion first"
                 )
             self._owner = threading.current_thread()
-            self._buffers.wait_released(0.01)
-            walk = Walk(self, self._buffers)
-            staged = walk.value(state_dict, ())
-            if walk.held:
-                self.overlapping_stagings += 1
-            self._buffers.keep_only(walk.paths)
-            for dst, src in walk.cpu:  # before training goes on: nothing orders them
-                dst.copy_(src)
-            if walk.device is None:  # nothing on a GPU
-                return self._done(staged)
-            copies = self._enqueue(walk)
-            if not self._async:
-                self._finish(walk, copies)
-                return staged
-            return self._start(walk, copies, staged)
+            self._staging = True
+            try:
+                return self._stage(state_dict)
+            finally:
+                self._staging = False
+                if self._closed:  # close() ran inside this staging (a signal handler)
+                    self.close()
+
+    def _stage(self, state_dict):
+        self._buffers.wait_released(0.01)
+        walk = Walk(self, self._buffers)
+        staged = walk.value(state_dict, ())
+        if walk.held:
+            self.overlapping_stagings += 1
+        self._buffers.keep_only(walk.paths)
+        for dst, src in walk.cpu:  # before training goes on: nothing orders them
+            dst.copy_(src)
+        if walk.device is None:  # nothing on a GPU
+            return self._done(staged)
+        copies = self._enqueue(walk)
+        if not self._async:
+            self._finish(walk, copies)
+            return staged
+        return self._start(walk, copies, staged)
 
     def _done(self, staged):
         if not self._async:
@@ -255,10 +266,14 @@ class PinnedStager(AsyncStager):
         """Wait for the last staging, free the buffers (those that no upload still holds; the
         others when it lets go) and empty PyTorch's cache of pinned memory (the process's:
         other cached pinned blocks go too). The stager cannot stage again. It may be called
-        from a callback of ``staging_completion``; interrupted, it can be called again."""
+        from a callback of ``staging_completion``; interrupted, it can be called again.
+        Called from a signal handler while ``stage()`` runs in the thread it interrupted, it
+        only marks the stager closed: that ``stage()`` frees the buffers at its end, once
+        its copies are done (whether it returns or the handler's exception goes through
+        it)."""
         with self._lock:
             self._closed = True
-            if self._freed:
+            if self._freed or self._staging:
                 return
         self.synchronize_staging()
         self._copies = None

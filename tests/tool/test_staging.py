@@ -629,3 +629,62 @@ def test_synchronize_staging_returns_only_once_the_staging_is_complete(monkeypat
     stager.synchronize_staging()
     assert future.done() and stager._pending is None
     stager.close()
+
+
+_SIGNAL_CLOSE = """
+import signal, sys, torch
+sys.path.insert(0, 'tests/staging')
+from stand_in import StandIn, on_gpu
+stager = StandIn(async_staging={async_staging})
+
+def on_term(*_):  # a preemption handler
+    stager.close()
+    print('closed in the handler', flush=True)
+    if {exits}:
+        sys.exit(3)
+
+signal.signal(signal.SIGTERM, on_term)
+
+class Preempted:
+    def __deepcopy__(self, memo):  # the handler runs at the next bytecode: inside stage()
+        signal.raise_signal(signal.SIGTERM)
+        return 0
+
+w = on_gpu(torch.arange(4.0))
+try:
+    staged = stager.stage({{'w': w, 'p': Preempted(), 'x': torch.ones(2)}})
+except SystemExit as exc:
+    print('exit', exc.code, stager.cached_bytes(), stager._pending, flush=True)
+    raise
+staged = staged.result() if {async_staging} else staged
+assert torch.equal(staged['w'], torch.arange(4.0)) and staged['p'] == 0, staged
+print('staged', stager.cached_bytes(), stager._pending, flush=True)
+try:
+    stager.stage({{'w': w}})
+except RuntimeError as exc:
+    print(exc)
+"""
+
+
+@pytest.mark.parametrize("exits", [True, False], ids=["exits", "returns"])
+@pytest.mark.parametrize("async_staging", [False, True], ids=["sync", "async"])
+def test_close_from_a_signal_handler_during_stage(async_staging, exits):
+    """A preemption handler calls close() while stage() runs in the thread it interrupted:
+    before, close() waited forever for the lock that stage() held. Now it marks the stager
+    closed and returns; stage() frees the buffers at its end (once its copies are done),
+    whether the handler exits (SystemExit through stage()) or returns (stage() returns what
+    it staged, and the stager stages no more)."""
+    code = _SIGNAL_CLOSE.format(async_staging=async_staging, exits=exits)
+    result = subprocess.run(
+        [sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=60
+    )
+    if exits:
+        assert result.returncode == 3, result.stderr
+        assert result.stdout == "closed in the handler\nexit 3 0 None\n", result.stderr
+    else:
+        assert result.returncode == 0, result.stderr
+        assert (
+            result.stdout
+            == "closed in the handler\nstaged 0 None\n"
+            "CheckpointStager.stage() called after close()\n"
+        ), result.stderr
