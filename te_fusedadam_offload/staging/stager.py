@@ -5,12 +5,17 @@ Each ``stage()`` walks the state dict (:mod:`.walk`), copies its CPU tensors int
 at once, enqueues the copies of its CUDA tensors on a side stream, and makes the current
 stream wait for them, so that nothing the training enqueues after ``stage()`` returns can
 change a tensor before it is copied. With ``async_staging=True`` a daemon thread waits for
-the copies (the interpreter can exit while a device hangs) and completes the future that
-``stage()`` returned.
+the copies and completes the future that ``stage()`` returned; at the interpreter's exit, a
+staging not complete after ``EXIT_WAIT_S`` is failed, so that a hung device does not keep
+DCP's upload thread (which waits for it, and which the interpreter joins) from ending.
 """
 
 import threading
-from concurrent.futures import Future, wait
+import time
+import warnings
+import weakref
+from concurrent.futures import Future, InvalidStateError, wait
+from concurrent.futures import thread as _futures_thread  # pylint: disable=unused-import
 
 import torch
 from torch.distributed.checkpoint.staging import AsyncStager
@@ -21,6 +26,10 @@ from .buffers import BufferCache
 from .walk import Private, Walk, name
 
 __all__ = ["PinnedStager", "empty_host_cache"]
+
+# How long the interpreter's exit waits for a staging that is not complete before failing it.
+EXIT_WAIT_S = 60.0
+_STAGERS = weakref.WeakSet()  # the stagers whose staging the exit may have to fail
 
 
 class PinnedStager(AsyncStager):
@@ -69,6 +78,7 @@ class PinnedStager(AsyncStager):
         # (device, event) of the last staging's copies while they may not be done
         self._copies = None
         self._owner = None  # the thread that called stage(): the training's
+        _STAGERS.add(self)
 
     @property
     def should_synchronize_after_execute(self):
@@ -159,9 +169,9 @@ class PinnedStager(AsyncStager):
             with self._in_device(copies[0]):
                 self._finish(walk, copies)
         except BaseException as exc:  # pylint: disable=broad-exception-caught
-            future.set_exception(exc)
+            _complete(future, exception=exc)
         else:
-            future.set_result(staged)
+            _complete(future, result=staged)
         self._drop_pending(future)  # once complete: synchronize_staging() waits for it
 
     def _finish(self, walk, copies):
@@ -285,6 +295,43 @@ class PinnedStager(AsyncStager):
 
     def _close_extensions(self):
         """What a subclass undoes at close()."""
+
+
+def _complete(future, *, result=None, exception=None):
+    """Complete `future` unless it is already (failed at the interpreter's exit)."""
+    try:
+        if exception is None:
+            future.set_result(result)
+        else:
+            future.set_exception(exception)
+    except InvalidStateError:
+        pass
+
+
+def _fail_stagings_at_exit():
+    """At the interpreter's exit, fail the stagings not complete after EXIT_WAIT_S (a hung
+    device), so that DCP's upload thread, which waits for them with no timeout and which the
+    interpreter joins, lets it exit."""
+    deadline = time.monotonic() + EXIT_WAIT_S
+    for stager in list(_STAGERS):
+        pending = stager._pending  # pylint: disable=protected-access
+        if pending is None:
+            continue
+        wait([pending], timeout=max(0.0, deadline - time.monotonic()))
+        if not pending.done():
+            message = (
+                "CheckpointStager: the interpreter exits with a staging not complete after "
+                f"{EXIT_WAIT_S} s (a hung device?); its checkpoint is not written"
+            )
+            warnings.warn(message, RuntimeWarning)
+            _complete(pending, exception=RuntimeError(message))
+
+
+# DCP's upload thread is a ThreadPoolExecutor worker: concurrent.futures joins it at exit in a
+# hook of threading._register_atexit (atexit.register runs only after the interpreter has
+# joined every thread that is not a daemon: too late). Those hooks run last registered first,
+# and concurrent.futures.thread (imported above) registered its own: this one runs before it.
+threading._register_atexit(_fail_stagings_at_exit)  # pylint: disable=protected-access
 
 
 def _storage(tensor):

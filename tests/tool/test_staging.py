@@ -572,22 +572,46 @@ def test_close_from_a_staging_completion_callback(tmp_path):
         stager.stage({"w": weight})
 
 
-def test_a_staging_that_never_completes_does_not_keep_the_interpreter_from_exiting():
-    """A hung device: the copies never end. Before, the stager's thread (not a daemon) kept
-    the interpreter from exiting; now the process exits."""
-    code = (
-        "import sys, threading; sys.path.insert(0, 'tests/staging')\n"
-        "import torch\n"
-        "from stand_in import StandIn, on_gpu\n"
-        "stager = StandIn(async_staging=True, hold=threading.Event())\n"
-        "future = stager.stage({'w': on_gpu(torch.ones(4))})\n"
-        "assert not future.done()\n"
-        "print('staged', flush=True)\n"
-    )
+_EXIT = """
+import sys, threading; sys.path.insert(0, 'tests/staging')
+import torch, torch.distributed.checkpoint as dcp
+from stand_in import StandIn, on_gpu
+from te_fusedadam_offload.staging import stager as stager_module
+stager_module.EXIT_WAIT_S = 2.0
+stager = StandIn(async_staging=True, delay_s={delay_s}, hold={hold})
+upload = dcp.async_save({{'model': {{'w': on_gpu(torch.arange(4.0))}}}}, checkpoint_id={path!r},
+                        async_stager=stager, no_dist=True)
+assert not upload.staging_completion.done()
+print('staged', flush=True)
+"""
+
+
+def test_a_staging_that_never_completes_does_not_keep_the_interpreter_from_exiting(tmp_path):
+    """A hung device: the copies never end, and the script ends after dcp.async_save. DCP's
+    upload thread (not a daemon, joined at exit) waits for the staging with no timeout:
+    before, the process never exited. Now the stager fails the staging at exit once it has
+    waited EXIT_WAIT_S for it (a warning says so), the upload fails, and the process exits
+    without writing the checkpoint."""
+    code = _EXIT.format(delay_s=0.0, hold="threading.Event()", path=str(tmp_path / "ckpt"))
     result = subprocess.run(
         [sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=60
     )
     assert result.returncode == 0 and result.stdout == "staged\n", result.stderr
+    assert "a staging not complete after 2.0 s" in result.stderr, result.stderr
+    assert not (tmp_path / "ckpt" / ".metadata").exists()
+
+
+def test_a_staging_still_running_at_exit_is_waited_for_and_written(tmp_path):
+    """A script that ends right after dcp.async_save, its copies taking 1 s: the exit waits
+    for the staging (within EXIT_WAIT_S), and the checkpoint is written, as DCP's own
+    staging would have it."""
+    code = _EXIT.format(delay_s=1.0, hold=None, path=str(tmp_path / "ckpt"))
+    result = subprocess.run(
+        [sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=60
+    )
+    assert result.returncode == 0 and result.stdout == "staged\n", result.stderr
+    assert "not complete" not in result.stderr, result.stderr
+    assert torch.equal(_raw(tmp_path / "ckpt")["model"]["w"], torch.arange(4.0))
 
 
 @pytest.mark.parametrize("async_staging", [False, True], ids=["sync", "async"])
