@@ -232,18 +232,17 @@ class PinnedStager(AsyncStager):
     @staticmethod
     def optimizer_export(model, optimizer, *, options=None):
         """``get_optimizer_state_dict(model, optimizer, options=options)``, with its CPU
-        tensors that share no memory with the optimizer, the model or the param groups (the
-        private copies of an export, such as ``FusedAdam(state_dict_cpu_offload=True)``'s
-        states) passed through, and the others (a CPU ``step`` or ``lr`` that the optimizer
-        or a scheduler updates in place) copied."""
+        tensors that share no memory with the optimizer's states, the model or the param
+        groups (at any depth: Adam's ``betas=(tensor, tensor)``) passed through (the private
+        copies of an export, such as ``FusedAdam(state_dict_cpu_offload=True)``'s states),
+        and the others (a CPU ``step`` or ``lr`` that the optimizer or a scheduler updates
+        in place) copied."""
         state_dict = get_optimizer_state_dict(
             model, optimizer, options=options or StateDictOptions()
         )
-        live = set()
-        for states in optimizer.state.values():
-            live.update(_storages(states.values()))
-        for group in optimizer.param_groups:
-            live.update(_storages(v for k, v in group.items() if k != "params"))
+        live = _storages(_leaves(list(optimizer.state.values())))  # nested ones too
+        for group in optimizer.param_groups:  # Adam's betas=(tensor, tensor): in a tuple
+            live.update(_storages(_leaves({k: v for k, v in group.items() if k != "params"})))
         live.update(_storages(model.parameters()))
         live.update(_storages(model.buffers()))
         private = {

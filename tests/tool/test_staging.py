@@ -712,3 +712,25 @@ def test_close_from_a_signal_handler_during_stage(async_staging, exits):
             == "closed in the handler\nstaged 0 None\n"
             "CheckpointStager.stage() called after close()\n"
         ), result.stderr
+
+
+def test_optimizer_export_copies_live_tensors_nested_in_param_groups_and_states():
+    """torch's Adam with betas=(tensor, tensor): the live tensors sit in a tuple of a param
+    group (and a state may nest them in a dict). Before, optimizer_export() looked one level
+    deep only and passed them through: a change after stage() reached the checkpoint."""
+    model = torch.nn.Linear(2, 2)
+    beta1, beta2 = torch.tensor(0.9), torch.tensor(0.999)
+    optimizer = torch.optim.Adam(model.parameters(), betas=(beta1, beta2))
+    model(torch.ones(1, 2)).sum().backward()
+    optimizer.step()
+    extra = torch.tensor([1.0, 2.0])
+    optimizer.state[model.weight]["extra"] = {"nested": [extra]}
+    stager = CheckpointStager()
+    staged = stager.stage({"optim": stager.optimizer_export(model, optimizer)})
+    beta1.fill_(0.5)  # changed after stage(), before the upload writes
+    extra.add_(1)
+    assert staged["optim"]["param_groups"][0]["betas"][0].item() == pytest.approx(0.9)
+    assert staged["optim"]["param_groups"][0]["betas"][1] is not beta2
+    nested = staged["optim"]["state"]["weight"]["extra"]["nested"][0]
+    assert torch.equal(nested, torch.tensor([1.0, 2.0]))
+    stager.close()
