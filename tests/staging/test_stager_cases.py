@@ -6,6 +6,7 @@ goes on at once. One GPU is enough:
   torchrun --nproc_per_node=1 -m pytest -q tests/staging
 """
 
+import collections
 import os
 import signal
 import time
@@ -377,3 +378,19 @@ def test_close_from_a_signal_handler_during_staging(ckpt_root):
     _same(_raw(path), expected)
     with pytest.raises(RuntimeError, match="after close"):
         stager.stage({"model": get_model_state_dict(model)})
+
+
+def test_a_cuda_tensor_in_a_namedtuple_is_staged_to_the_host():
+    """A CUDA tensor inside a namedtuple: before, deep-copied (cloned on the GPU, unordered
+    with the side stream); now copied into a pinned host buffer like any other, and a tensor
+    inside another object is refused."""
+    pair = collections.namedtuple("Pair", "w s")
+    weight = torch.randn(1024, device="cuda")
+    stager = CheckpointStager(async_staging=True)
+    staged = stager.stage({"p": pair(weight, 1)}).result()
+    assert type(staged["p"]) is pair and staged["p"].s == 1
+    assert staged["p"].w.device.type == "cpu" and staged["p"].w.is_pinned()
+    assert torch.equal(staged["p"].w, weight.cpu())
+    with pytest.raises(TypeError, match="holds a tensor"):
+        stager.stage({"s": {weight}})
+    stager.close()

@@ -3,6 +3,7 @@ and DCP on disk, are in tests/staging/). Where the stager's logic does not need 
 stand-in treats marked CPU tensors as the GPU's: it copies them into buffers as the stager
 copies CUDA tensors into pinned ones."""
 
+import collections
 import copy
 import gc
 import pickle
@@ -733,4 +734,31 @@ def test_optimizer_export_copies_live_tensors_nested_in_param_groups_and_states(
     assert staged["optim"]["param_groups"][0]["betas"][1] is not beta2
     nested = staged["optim"]["state"]["weight"]["extra"]["nested"][0]
     assert torch.equal(nested, torch.tensor([1.0, 2.0]))
+    stager.close()
+
+
+class _Config:
+    """An object DCP would pickle whole."""
+
+    def __init__(self, value):
+        self.value = value
+
+
+def test_tensors_in_namedtuples_are_staged_and_in_other_objects_refused():
+    """Only dicts, lists and tuples were walked; other containers were deep-copied past the
+    stager's rules (a subclass tensor in a namedtuple hit torch's deepcopy error; a GPU tensor
+    in one was cloned on the GPU). Namedtuples are now walked like tuples, and a tensor inside
+    any other object is refused with a TypeError; objects without tensors are deep-copied."""
+    pair = collections.namedtuple("Pair", "w s")
+    weight = on_gpu(torch.arange(4.0))
+    stager = StandIn()
+    staged = stager.stage({"p": pair(weight, 1), "c": _Config([1, 2])})
+    assert type(staged["p"]) is pair and staged["p"].s == 1
+    assert torch.equal(staged["p"].w, weight) and staged["p"].w is not weight
+    assert staged["c"] is not None and staged["c"].value == [1, 2]
+    with pytest.raises(TypeError, match="p/0 is a QuantizedTensor"):
+        stager.stage({"p": pair(torch.ones(2).as_subclass(QuantizedTensor), 1)})
+    for odd in (_Config(weight), {torch.ones(1)}):
+        with pytest.raises(TypeError, match="x/y is a .* that holds a tensor"):
+            stager.stage({"x": {"y": odd}})
     stager.close()
