@@ -204,10 +204,8 @@ def _copy_state(optimizer, param, key, path, buffer, bf16, walk, stream):
                 f"{name(path)} has stride {value.stride()}"
             )
         start = buffer.nbytes - value.nbytes
-        buffer.view(-1).view(torch.uint8)[start:].view(value.dtype).copy_(
-            value.view(-1), non_blocking=True
-        )
-        value.record_stream(stream)
+        dst = buffer.view(-1).view(torch.uint8)[start:].view(value.dtype)
+        walk.stager._copy_on(stream, [(dst, value.view(-1))])  # as the model's copies
         if bf16:
             widen = functools.partial(_widen, buffer, value.dtype)
             walk.finish.append((stream.record_event(), widen))

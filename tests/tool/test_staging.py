@@ -762,3 +762,20 @@ def test_tensors_in_namedtuples_are_staged_and_in_other_objects_refused():
         with pytest.raises(TypeError, match="x/y is a .* that holds a tensor"):
             stager.stage({"x": {"y": odd}})
     stager.close()
+
+
+@pytest.mark.usefixtures("stand_in_stream")
+def test_the_snapshot_copies_run_on_the_stand_in_stream_after_stage():
+    """The snapshot's copies go through the stager's _copy_on, as the model's do: on the
+    stand-in they run on its delayed side stream, after stage() has returned (before, they
+    ran at once, so that no CPU test could catch a read of snapshot buffers not written yet),
+    and the staged states are the export once the staging is complete."""
+    torch.manual_seed(0)
+    model = torch.nn.Linear(8, 4)
+    optimizer = StandInFusedAdam(model.parameters())
+    expected = get_optimizer_state_dict(model, optimizer)
+    stager = StandIn(async_staging=True, delay_s=0.3)
+    future = stager.stage({"optim": stager.optimizer_snapshot(model, optimizer)})
+    assert stager._stream.enqueued == 2 * 3  # weight and bias, three states each
+    _same_export(future.result()["optim"], expected)
+    stager.close()
