@@ -58,6 +58,8 @@ class PinnedStager(AsyncStager):
     staging made of it, that is when the upload that wrote it is done. A checkpoint that
     starts while an upload still holds its buffers gets new ones (``overlapping_stagings``
     counts such stagings), one more copy in pinned host memory until that upload is done.
+    ``stage()`` waits up to 10 ms for DCP's upload thread to drop the last staged state dict
+    after it completed the upload; a thread slower to means new buffers too, counted alike.
     ``stage()`` raises a RuntimeError while the previous staging is not complete.
     """
 
