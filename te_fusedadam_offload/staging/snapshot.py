@@ -57,7 +57,9 @@ class CheckpointStager(PinnedStager):  # pylint: disable=missing-class-docstring
         GPU wait for them (a step pre-hook; the CPU does not wait). That hook covers
         ``step()`` of this optimizer only (not a step replayed from a CUDA graph): anything
         else that changes the optimizer's states on another stream or thread must wait for
-        ``staging_completion`` first, and so must capturing a CUDA graph. Do not wait for
+        ``staging_completion`` first, and so must capturing a CUDA graph, and a step pre-hook
+        that changes them and runs before the stager's (the global ones, and those of this
+        optimizer registered before its first staging: hooks run in that order). Do not wait for
         ``staging_completion`` before ``optimizer.step()`` itself: it also covers the
         conversion on the CPU. :meth:`close` removes the hook (called from another thread
         than the training's, it leaves a hook that does nothing).
@@ -204,10 +206,8 @@ def _copy_state(optimizer, param, key, path, buffer, bf16, walk, stream):
                 f"{name(path)} has stride {value.stride()}"
             )
         start = buffer.nbytes - value.nbytes
-        buffer.view(-1).view(torch.uint8)[start:].view(value.dtype).copy_(
-            value.view(-1), non_blocking=True
-        )
-        value.record_stream(stream)
+        dst = buffer.view(-1).view(torch.uint8)[start:].view(value.dtype)
+        walk.stager._copy_on(stream, [(dst, value.view(-1))])  # as the model's copies
         if bf16:
             widen = functools.partial(_widen, buffer, value.dtype)
             walk.finish.append((stream.record_event(), widen))

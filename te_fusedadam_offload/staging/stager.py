@@ -5,12 +5,17 @@ Each ``stage()`` walks the state dict (:mod:`.walk`), copies its CPU tensors int
 at once, enqueues the copies of its CUDA tensors on a side stream, and makes the current
 stream wait for them, so that nothing the training enqueues after ``stage()`` returns can
 change a tensor before it is copied. With ``async_staging=True`` a daemon thread waits for
-the copies (the interpreter can exit while a device hangs) and completes the future that
-``stage()`` returned.
+the copies and completes the future that ``stage()`` returned; at the interpreter's exit, a
+staging not complete after ``EXIT_WAIT_S`` is failed, so that a hung device does not keep
+DCP's upload thread (which waits for it, and which the interpreter joins) from ending.
 """
 
 import threading
-from concurrent.futures import Future, wait
+import time
+import warnings
+import weakref
+from concurrent.futures import Future, InvalidStateError, wait
+from concurrent.futures import thread as _futures_thread  # pylint: disable=unused-import
 
 import torch
 from torch.distributed.checkpoint.staging import AsyncStager
@@ -22,6 +27,10 @@ from .walk import Private, Walk, name
 
 __all__ = ["PinnedStager", "empty_host_cache"]
 
+# How long the interpreter's exit waits for a staging that is not complete before failing it.
+EXIT_WAIT_S = 60.0
+_STAGERS = weakref.WeakSet()  # the stagers whose staging the exit may have to fail
+
 
 class PinnedStager(AsyncStager):
     """Stage a state dict for ``dcp.async_save`` (pass it as ``async_stager``) into buffers
@@ -32,8 +41,9 @@ class PinnedStager(AsyncStager):
     from one CUDA device (on a side stream); a buffer is reused by the next checkpoint of the
     same key, shape and dtype, freed when a checkpoint no longer has the key. What it passes
     through: the CPU tensors of :meth:`private` and of :meth:`optimizer_export`. What it
-    refuses: tensor subclasses and other layouts (a TypeError that says what to do). Other
-    values are deep-copied.
+    refuses: tensor subclasses and other layouts (a TypeError that says what to do), and
+    values other than dicts, lists, tuples and namedtuples that hold a tensor. Other values
+    are deep-copied.
 
     Arguments:
         async_staging (bool, optional): with False (default), ``stage()`` returns when the
@@ -48,6 +58,8 @@ class PinnedStager(AsyncStager):
     staging made of it, that is when the upload that wrote it is done. A checkpoint that
     starts while an upload still holds its buffers gets new ones (``overlapping_stagings``
     counts such stagings), one more copy in pinned host memory until that upload is done.
+    ``stage()`` waits up to 10 ms for DCP's upload thread to drop the last staged state dict
+    after it completed the upload; a thread slower to means new buffers too, counted alike.
     ``stage()`` raises a RuntimeError while the previous staging is not complete.
     """
 
@@ -56,7 +68,9 @@ class PinnedStager(AsyncStager):
         self._buffers = BufferCache(pin_memory=torch.cuda.is_available())
         self.overlapping_stagings = 0  # stagings that got new buffers: the old ones in use
         self._stream = None
-        self._lock = threading.Lock()
+        # Reentrant: a signal handler may call close() in the thread that is in stage().
+        self._lock = threading.RLock()
+        self._staging = False  # stage() is running (in the thread that holds the lock)
         self._closed = False
         self._freed = False
         # The future of the staging under way, until it is complete (then dropped: it holds
@@ -67,6 +81,7 @@ class PinnedStager(AsyncStager):
         # (device, event) of the last staging's copies while they may not be done
         self._copies = None
         self._owner = None  # the thread that called stage(): the training's
+        _STAGERS.add(self)
 
     @property
     def should_synchronize_after_execute(self):
@@ -88,21 +103,30 @@ class PinnedStager(AsyncStager):
                     "complete; wait for its staging_completion first"
                 )
             self._owner = threading.current_thread()
-            self._buffers.wait_released(0.01)
-            walk = Walk(self, self._buffers)
-            staged = walk.value(state_dict, ())
-            if walk.held:
-                self.overlapping_stagings += 1
-            self._buffers.keep_only(walk.paths)
-            for dst, src in walk.cpu:  # before training goes on: nothing orders them
-                dst.copy_(src)
-            if walk.device is None:  # nothing on a GPU
-                return self._done(staged)
-            copies = self._enqueue(walk)
-            if not self._async:
-                self._finish(walk, copies)
-                return staged
-            return self._start(walk, copies, staged)
+            self._staging = True
+            try:
+                return self._stage(state_dict)
+            finally:
+                self._staging = False
+                if self._closed:  # close() ran inside this staging (a signal handler)
+                    self.close()
+
+    def _stage(self, state_dict):
+        self._buffers.wait_released(0.01)
+        walk = Walk(self, self._buffers)
+        staged = walk.value(state_dict, ())
+        if walk.held:
+            self.overlapping_stagings += 1
+        self._buffers.keep_only(walk.paths)
+        for dst, src in walk.cpu:  # before training goes on: nothing orders them
+            dst.copy_(src)
+        if walk.device is None:  # nothing on a GPU
+            return self._done(staged)
+        copies = self._enqueue(walk)
+        if not self._async:
+            self._finish(walk, copies)
+            return staged
+        return self._start(walk, copies, staged)
 
     def _done(self, staged):
         if not self._async:
@@ -148,9 +172,9 @@ class PinnedStager(AsyncStager):
             with self._in_device(copies[0]):
                 self._finish(walk, copies)
         except BaseException as exc:  # pylint: disable=broad-exception-caught
-            future.set_exception(exc)
+            _complete(future, exception=exc)
         else:
-            future.set_result(staged)
+            _complete(future, result=staged)
         self._drop_pending(future)  # once complete: synchronize_staging() waits for it
 
     def _finish(self, walk, copies):
@@ -211,18 +235,17 @@ class PinnedStager(AsyncStager):
     @staticmethod
     def optimizer_export(model, optimizer, *, options=None):
         """``get_optimizer_state_dict(model, optimizer, options=options)``, with its CPU
-        tensors that share no memory with the optimizer, the model or the param groups (the
-        private copies of an export, such as ``FusedAdam(state_dict_cpu_offload=True)``'s
-        states) passed through, and the others (a CPU ``step`` or ``lr`` that the optimizer
-        or a scheduler updates in place) copied."""
+        tensors that share no memory with the optimizer's states, the model or the param
+        groups (at any depth: Adam's ``betas=(tensor, tensor)``) passed through (the private
+        copies of an export, such as ``FusedAdam(state_dict_cpu_offload=True)``'s states),
+        and the others (a CPU ``step`` or ``lr`` that the optimizer or a scheduler updates
+        in place) copied."""
         state_dict = get_optimizer_state_dict(
             model, optimizer, options=options or StateDictOptions()
         )
-        live = set()
-        for states in optimizer.state.values():
-            live.update(_storages(states.values()))
-        for group in optimizer.param_groups:
-            live.update(_storages(v for k, v in group.items() if k != "params"))
+        live = _storages(_leaves(list(optimizer.state.values())))  # nested ones too
+        for group in optimizer.param_groups:  # Adam's betas=(tensor, tensor): in a tuple
+            live.update(_storages(_leaves({k: v for k, v in group.items() if k != "params"})))
         live.update(_storages(model.parameters()))
         live.update(_storages(model.buffers()))
         private = {
@@ -255,10 +278,14 @@ class PinnedStager(AsyncStager):
         """Wait for the last staging, free the buffers (those that no upload still holds; the
         others when it lets go) and empty PyTorch's cache of pinned memory (the process's:
         other cached pinned blocks go too). The stager cannot stage again. It may be called
-        from a callback of ``staging_completion``; interrupted, it can be called again."""
+        from a callback of ``staging_completion``; interrupted, it can be called again.
+        Called from a signal handler while ``stage()`` runs in the thread it interrupted, it
+        only marks the stager closed: that ``stage()`` frees the buffers at its end, once
+        its copies are done (whether it returns or the handler's exception goes through
+        it)."""
         with self._lock:
             self._closed = True
-            if self._freed:
+            if self._freed or self._staging:
                 return
         self.synchronize_staging()
         self._copies = None
@@ -270,6 +297,43 @@ class PinnedStager(AsyncStager):
 
     def _close_extensions(self):
         """What a subclass undoes at close()."""
+
+
+def _complete(future, *, result=None, exception=None):
+    """Complete `future` unless it is already (failed at the interpreter's exit)."""
+    try:
+        if exception is None:
+            future.set_result(result)
+        else:
+            future.set_exception(exception)
+    except InvalidStateError:
+        pass
+
+
+def _fail_stagings_at_exit():
+    """At the interpreter's exit, fail the stagings not complete after EXIT_WAIT_S (a hung
+    device), so that DCP's upload thread, which waits for them with no timeout and which the
+    interpreter joins, lets it exit."""
+    deadline = time.monotonic() + EXIT_WAIT_S
+    for stager in list(_STAGERS):
+        pending = stager._pending  # pylint: disable=protected-access
+        if pending is None:
+            continue
+        wait([pending], timeout=max(0.0, deadline - time.monotonic()))
+        if not pending.done():
+            message = (
+                "CheckpointStager: the interpreter exits with a staging not complete after "
+                f"{EXIT_WAIT_S} s (a hung device?); its checkpoint is not written"
+            )
+            warnings.warn(message, RuntimeWarning)
+            _complete(pending, exception=RuntimeError(message))
+
+
+# DCP's upload thread is a ThreadPoolExecutor worker: concurrent.futures joins it at exit in a
+# hook of threading._register_atexit (atexit.register runs only after the interpreter has
+# joined every thread that is not a daemon: too late). Those hooks run last registered first,
+# and concurrent.futures.thread (imported above) registered its own: this one runs before it.
+threading._register_atexit(_fail_stagings_at_exit)  # pylint: disable=protected-access
 
 
 def _storage(tensor):

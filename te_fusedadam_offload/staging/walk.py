@@ -6,11 +6,13 @@ stager's buffers: CPU tensors at once, in ``stage()``, since nothing orders them
 updates; CUDA tensors on the stager's side stream. A CPU tensor is passed through only inside
 :class:`Private`, where the caller vouches that nothing changes it until the upload is done.
 Other tensor types are refused with a TypeError (a tensor subclass copied as its nominal dtype
-would be saved as something it is not). Other values are deep-copied, and values of the
-:class:`Extension` type stage themselves.
+would be saved as something it is not). Dicts, lists, tuples and namedtuples are walked; other
+values are deep-copied, except that one holding a tensor is refused (a TypeError: deep-copied,
+it would bypass these rules), and values of the :class:`Extension` type stage themselves.
 """
 
 import copy
+import pickle
 
 import torch
 from torch.distributed.tensor import DTensor
@@ -18,6 +20,7 @@ from torch.distributed.tensor import DTensor
 __all__ = ["Extension", "Private", "Walk"]
 
 _PLAIN = (torch.Tensor, torch.nn.Parameter)
+_ATOMS = (type(None), bool, int, float, complex, str, bytes)
 
 
 class Extension:
@@ -84,6 +87,15 @@ class Walk:
             return {k: self.value(v, (*path, k)) for k, v in value.items()}
         if isinstance(value, (list, tuple)) and type(value) in (list, tuple):
             return type(value)(self.value(v, (*path, i)) for i, v in enumerate(value))
+        if isinstance(value, tuple) and hasattr(type(value), "_fields"):  # a namedtuple
+            return type(value)(*(self.value(v, (*path, i)) for i, v in enumerate(value)))
+        if isinstance(value, _ATOMS):
+            return value
+        if _holds_tensor(value):
+            raise TypeError(
+                f"CheckpointStager stages the tensors of dicts, lists and tuples; {name(path)} "
+                f"is a {type(value).__name__} that holds a tensor: put its tensors in a dict"
+            )
         return copy.deepcopy(value)
 
     def tensor(self, tensor, path):
@@ -136,6 +148,36 @@ class Walk:
                 "CheckpointStager stages the tensors of one CUDA device per process; "
                 f"{name(path)} is on {device}, others on {self.device}"
             )
+
+
+class _Found(Exception):
+    pass
+
+
+class _TensorFinder(pickle.Pickler):
+    """Pickles a value to nothing, raising _Found at its first tensor (torch.save finds
+    storages the same way)."""
+
+    def persistent_id(self, obj):
+        if isinstance(obj, (torch.Tensor, torch.UntypedStorage, torch.TypedStorage)):
+            raise _Found
+
+
+class _Discard:
+    def write(self, data):
+        """Drop `data`."""
+
+
+def _holds_tensor(value):
+    """Whether pickling `value`, as DCP writes a value that is not a tensor, meets a tensor
+    (a value that cannot be pickled is deep-copied as before: DCP raises when it writes it)."""
+    try:
+        _TensorFinder(_Discard(), protocol=pickle.HIGHEST_PROTOCOL).dump(value)
+    except _Found:
+        return True
+    except Exception:  # pylint: disable=broad-exception-caught
+        return False
+    return False
 
 
 def _check_type(tensor, path):

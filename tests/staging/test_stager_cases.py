@@ -6,7 +6,9 @@ goes on at once. One GPU is enough:
   torchrun --nproc_per_node=1 -m pytest -q tests/staging
 """
 
+import collections
 import os
+import signal
 import time
 
 import pytest
@@ -325,4 +327,70 @@ def test_staged_parameters_record_no_autograd_history():
     for buffer, _ in stager._buffers._entries.values():
         assert buffer.is_leaf and not buffer.requires_grad
     assert all(p.grad is None for p in params.values())
+    stager.close()
+
+
+class _Preempted:
+    """A value whose copy raises SIGTERM: its handler runs inside stage(), in the middle of
+    the walk (after the model and the snapshot)."""
+
+    def __deepcopy__(self, memo):
+        signal.raise_signal(signal.SIGTERM)
+        return 0
+
+
+def test_close_from_a_signal_handler_during_staging(ckpt_root):
+    """A preemption handler calls close() while async_save's stage() runs in the thread it
+    interrupted: before, close() waited forever for the lock that stage() held. Now stage()
+    finishes, waits for its copies, frees the buffers and removes the step hook; the
+    checkpoint, written after the stager closed, is the state at async_save."""
+    model, optimizer = _build()
+    stager = CheckpointStager(async_staging=True)
+    group = dist.new_group(backend="gloo")
+    _step(model, optimizer, 0)
+    stager.stage({"model": get_model_state_dict(model)}).result()  # the side stream exists
+    _step(model, optimizer, 1)
+    expected = _flat(
+        {
+            "model": get_model_state_dict(model),
+            "optim": get_optimizer_state_dict(model, optimizer, options=OFFLOAD),
+            "preempted": 0,
+        }
+    )
+    state = {
+        "model": get_model_state_dict(model),
+        "optim": stager.optimizer_snapshot(model, optimizer),
+        "preempted": _Preempted(),
+    }
+    closed = []
+    previous = signal.signal(signal.SIGTERM, lambda *_: closed.append(stager.close()))
+    try:
+        _hold(stager)
+        path = os.path.join(ckpt_root, "close-signal")
+        result = dcp.async_save(state, checkpoint_id=path, process_group=group, async_stager=stager)
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+    del state
+    assert closed == [None] and stager._pending is None and stager._copies is None
+    assert stager.cached_bytes() == 0 and len(stager._hooks) == 0
+    _step(model, optimizer, 2)
+    result.upload_completion.result()
+    _same(_raw(path), expected)
+    with pytest.raises(RuntimeError, match="after close"):
+        stager.stage({"model": get_model_state_dict(model)})
+
+
+def test_a_cuda_tensor_in_a_namedtuple_is_staged_to_the_host():
+    """A CUDA tensor inside a namedtuple: before, deep-copied (cloned on the GPU, unordered
+    with the side stream); now copied into a pinned host buffer like any other, and a tensor
+    inside another object is refused."""
+    pair = collections.namedtuple("Pair", "w s")
+    weight = torch.randn(1024, device="cuda")
+    stager = CheckpointStager(async_staging=True)
+    staged = stager.stage({"p": pair(weight, 1)}).result()
+    assert type(staged["p"]) is pair and staged["p"].s == 1
+    assert staged["p"].w.device.type == "cpu" and staged["p"].w.is_pinned()
+    assert torch.equal(staged["p"].w, weight.cpu())
+    with pytest.raises(TypeError, match="holds a tensor"):
+        stager.stage({"s": {weight}})
     stager.close()

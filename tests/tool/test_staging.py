@@ -3,6 +3,7 @@ and DCP on disk, are in tests/staging/). Where the stager's logic does not need 
 stand-in treats marked CPU tensors as the GPU's: it copies them into buffers as the stager
 copies CUDA tensors into pinned ones."""
 
+import collections
 import copy
 import gc
 import pickle
@@ -572,22 +573,46 @@ def test_close_from_a_staging_completion_callback(tmp_path):
         stager.stage({"w": weight})
 
 
-def test_a_staging_that_never_completes_does_not_keep_the_interpreter_from_exiting():
-    """A hung device: the copies never end. Before, the stager's thread (not a daemon) kept
-    the interpreter from exiting; now the process exits."""
-    code = (
-        "import sys, threading; sys.path.insert(0, 'tests/staging')\n"
-        "import torch\n"
-        "from stand_in import StandIn, on_gpu\n"
-        "stager = StandIn(async_staging=True, hold=threading.Event())\n"
-        "future = stager.stage({'w': on_gpu(torch.ones(4))})\n"
-        "assert not future.done()\n"
-        "print('staged', flush=True)\n"
-    )
+_EXIT = """
+import sys, threading; sys.path.insert(0, 'tests/staging')
+import torch, torch.distributed.checkpoint as dcp
+from stand_in import StandIn, on_gpu
+from te_fusedadam_offload.staging import stager as stager_module
+stager_module.EXIT_WAIT_S = 2.0
+stager = StandIn(async_staging=True, delay_s={delay_s}, hold={hold})
+upload = dcp.async_save({{'model': {{'w': on_gpu(torch.arange(4.0))}}}}, checkpoint_id={path!r},
+                        async_stager=stager, no_dist=True)
+assert not upload.staging_completion.done()
+print('staged', flush=True)
+"""
+
+
+def test_a_staging_that_never_completes_does_not_keep_the_interpreter_from_exiting(tmp_path):
+    """A hung device: the copies never end, and the script ends after dcp.async_save. DCP's
+    upload thread (not a daemon, joined at exit) waits for the staging with no timeout:
+    before, the process never exited. Now the stager fails the staging at exit once it has
+    waited EXIT_WAIT_S for it (a warning says so), the upload fails, and the process exits
+    without writing the checkpoint."""
+    code = _EXIT.format(delay_s=0.0, hold="threading.Event()", path=str(tmp_path / "ckpt"))
     result = subprocess.run(
         [sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=60
     )
     assert result.returncode == 0 and result.stdout == "staged\n", result.stderr
+    assert "a staging not complete after 2.0 s" in result.stderr, result.stderr
+    assert not (tmp_path / "ckpt" / ".metadata").exists()
+
+
+def test_a_staging_still_running_at_exit_is_waited_for_and_written(tmp_path):
+    """A script that ends right after dcp.async_save, its copies taking 1 s: the exit waits
+    for the staging (within EXIT_WAIT_S), and the checkpoint is written, as DCP's own
+    staging would have it."""
+    code = _EXIT.format(delay_s=1.0, hold=None, path=str(tmp_path / "ckpt"))
+    result = subprocess.run(
+        [sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=60
+    )
+    assert result.returncode == 0 and result.stdout == "staged\n", result.stderr
+    assert "not complete" not in result.stderr, result.stderr
+    assert torch.equal(_raw(tmp_path / "ckpt")["model"]["w"], torch.arange(4.0))
 
 
 @pytest.mark.parametrize("async_staging", [False, True], ids=["sync", "async"])
@@ -628,4 +653,129 @@ def test_synchronize_staging_returns_only_once_the_staging_is_complete(monkeypat
     assert entered.wait(10)
     stager.synchronize_staging()
     assert future.done() and stager._pending is None
+    stager.close()
+
+
+_SIGNAL_CLOSE = """
+import signal, sys, torch
+sys.path.insert(0, 'tests/staging')
+from stand_in import StandIn, on_gpu
+stager = StandIn(async_staging={async_staging})
+
+def on_term(*_):  # a preemption handler
+    stager.close()
+    print('closed in the handler', flush=True)
+    if {exits}:
+        sys.exit(3)
+
+signal.signal(signal.SIGTERM, on_term)
+
+class Preempted:
+    def __deepcopy__(self, memo):  # the handler runs at the next bytecode: inside stage()
+        signal.raise_signal(signal.SIGTERM)
+        return 0
+
+w = on_gpu(torch.arange(4.0))
+try:
+    staged = stager.stage({{'w': w, 'p': Preempted(), 'x': torch.ones(2)}})
+except SystemExit as exc:
+    print('exit', exc.code, stager.cached_bytes(), stager._pending, flush=True)
+    raise
+staged = staged.result() if {async_staging} else staged
+assert torch.equal(staged['w'], torch.arange(4.0)) and staged['p'] == 0, staged
+print('staged', stager.cached_bytes(), stager._pending, flush=True)
+try:
+    stager.stage({{'w': w}})
+except RuntimeError as exc:
+    print(exc)
+"""
+
+
+@pytest.mark.parametrize("exits", [True, False], ids=["exits", "returns"])
+@pytest.mark.parametrize("async_staging", [False, True], ids=["sync", "async"])
+def test_close_from_a_signal_handler_during_stage(async_staging, exits):
+    """A preemption handler calls close() while stage() runs in the thread it interrupted:
+    before, close() waited forever for the lock that stage() held. Now it marks the stager
+    closed and returns; stage() frees the buffers at its end (once its copies are done),
+    whether the handler exits (SystemExit through stage()) or returns (stage() returns what
+    it staged, and the stager stages no more)."""
+    code = _SIGNAL_CLOSE.format(async_staging=async_staging, exits=exits)
+    result = subprocess.run(
+        [sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=60
+    )
+    if exits:
+        assert result.returncode == 3, result.stderr
+        assert result.stdout == "closed in the handler\nexit 3 0 None\n", result.stderr
+    else:
+        assert result.returncode == 0, result.stderr
+        assert (
+            result.stdout
+            == "closed in the handler\nstaged 0 None\n"
+            "CheckpointStager.stage() called after close()\n"
+        ), result.stderr
+
+
+def test_optimizer_export_copies_live_tensors_nested_in_param_groups_and_states():
+    """torch's Adam with betas=(tensor, tensor): the live tensors sit in a tuple of a param
+    group (and a state may nest them in a dict). Before, optimizer_export() looked one level
+    deep only and passed them through: a change after stage() reached the checkpoint."""
+    model = torch.nn.Linear(2, 2)
+    beta1, beta2 = torch.tensor(0.9), torch.tensor(0.999)
+    optimizer = torch.optim.Adam(model.parameters(), betas=(beta1, beta2))
+    model(torch.ones(1, 2)).sum().backward()
+    optimizer.step()
+    extra = torch.tensor([1.0, 2.0])
+    optimizer.state[model.weight]["extra"] = {"nested": [extra]}
+    stager = CheckpointStager()
+    staged = stager.stage({"optim": stager.optimizer_export(model, optimizer)})
+    beta1.fill_(0.5)  # changed after stage(), before the upload writes
+    extra.add_(1)
+    assert staged["optim"]["param_groups"][0]["betas"][0].item() == pytest.approx(0.9)
+    assert staged["optim"]["param_groups"][0]["betas"][1] is not beta2
+    nested = staged["optim"]["state"]["weight"]["extra"]["nested"][0]
+    assert torch.equal(nested, torch.tensor([1.0, 2.0]))
+    stager.close()
+
+
+class _Config:
+    """An object DCP would pickle whole."""
+
+    def __init__(self, value):
+        self.value = value
+
+
+def test_tensors_in_namedtuples_are_staged_and_in_other_objects_refused():
+    """Only dicts, lists and tuples were walked; other containers were deep-copied past the
+    stager's rules (a subclass tensor in a namedtuple hit torch's deepcopy error; a GPU tensor
+    in one was cloned on the GPU). Namedtuples are now walked like tuples, and a tensor inside
+    any other object is refused with a TypeError; objects without tensors are deep-copied."""
+    pair = collections.namedtuple("Pair", "w s")
+    weight = on_gpu(torch.arange(4.0))
+    stager = StandIn()
+    staged = stager.stage({"p": pair(weight, 1), "c": _Config([1, 2])})
+    assert type(staged["p"]) is pair and staged["p"].s == 1
+    assert torch.equal(staged["p"].w, weight) and staged["p"].w is not weight
+    assert staged["c"] is not None and staged["c"].value == [1, 2]
+    with pytest.raises(TypeError, match="p/0 is a QuantizedTensor"):
+        stager.stage({"p": pair(torch.ones(2).as_subclass(QuantizedTensor), 1)})
+    for odd in (_Config(weight), {torch.ones(1)}):
+        with pytest.raises(TypeError, match="x/y is a .* that holds a tensor"):
+            stager.stage({"x": {"y": odd}})
+    stager.close()
+
+
+@pytest.mark.usefixtures("stand_in_stream")
+def test_the_snapshot_copies_run_on_the_stand_in_stream_after_stage():
+    """The snapshot's copies go through the stager's _copy_on, as the model's do: on the
+    stand-in they run on its delayed side stream, after stage() has returned (before, they
+    ran at once, so that no CPU test could catch a read of snapshot buffers not written yet),
+    and the staged states are the export once the staging is complete."""
+    torch.manual_seed(0)
+    model = torch.nn.Linear(8, 4)
+    optimizer = StandInFusedAdam(model.parameters())
+    expected = get_optimizer_state_dict(model, optimizer)
+    stager = StandIn(async_staging=True, delay_s=0.3)
+    future = stager.stage({"optim": stager.optimizer_snapshot(model, optimizer)})
+    assert stager._stream.enqueued == 2 * 3  # weight and bias, three states each
+    _same_export(future.result()["optim"], expected)
     stager.close()
