@@ -10,6 +10,7 @@ staging not complete after ``EXIT_WAIT_S`` is failed, so that a hung device does
 DCP's upload thread (which waits for it, and which the interpreter joins) from ending.
 """
 
+import sys
 import threading
 import time
 import warnings
@@ -59,7 +60,7 @@ class PinnedStager(AsyncStager):
     starts while an upload still holds its buffers gets new ones (``overlapping_stagings``
     counts such stagings), one more copy in pinned host memory until that upload is done.
     ``stage()`` waits up to 10 ms for DCP's upload thread to drop the last staged state dict
-    after it completed the upload; a thread slower to means new buffers too, counted alike.
+    after it completed the upload; a thread slower to drop it means new buffers too, counted alike.
     ``stage()`` raises a RuntimeError while the previous staging is not complete.
     """
 
@@ -94,17 +95,19 @@ class PinnedStager(AsyncStager):
         # Autograd off, as in DCP's own stagers: a copy of a parameter would otherwise make
         # the kept buffer a node of its graph (a longer chain at each checkpoint).
         with self._lock, torch.no_grad():
-            if self._closed:
-                raise RuntimeError("CheckpointStager.stage() called after close()")
-            pending = self._pending
-            if pending is not None and not pending.done():
-                raise RuntimeError(
-                    "CheckpointStager.stage() called while the previous staging is not "
-                    "complete; wait for its staging_completion first"
-                )
-            self._owner = threading.current_thread()
+            # _staging before the checks: a close() from a signal handler between them then
+            # leaves the freeing to this stage(), whichever way it ends.
             self._staging = True
             try:
+                if self._closed:
+                    raise RuntimeError("CheckpointStager.stage() called after close()")
+                pending = self._pending
+                if pending is not None and not pending.done():
+                    raise RuntimeError(
+                        "CheckpointStager.stage() called while the previous staging is not "
+                        "complete; wait for its staging_completion first"
+                    )
+                self._owner = threading.current_thread()
                 return self._stage(state_dict)
             finally:
                 self._staging = False
@@ -280,9 +283,8 @@ class PinnedStager(AsyncStager):
         other cached pinned blocks go too). The stager cannot stage again. It may be called
         from a callback of ``staging_completion``; interrupted, it can be called again.
         Called from a signal handler while ``stage()`` runs in the thread it interrupted, it
-        only marks the stager closed: that ``stage()`` frees the buffers at its end, once
-        its copies are done (whether it returns or the handler's exception goes through
-        it)."""
+        only marks the stager closed: that ``stage()`` frees the buffers at its end (whether
+        the handler returns or its exception goes through it)."""
         with self._lock:
             self._closed = True
             if self._freed or self._staging:
@@ -325,8 +327,13 @@ def _fail_stagings_at_exit():
                 "CheckpointStager: the interpreter exits with a staging not complete after "
                 f"{EXIT_WAIT_S} s (a hung device?); its checkpoint is not written"
             )
-            warnings.warn(message, RuntimeWarning)
+            # Failed first, and the warning may not raise: a hook that raises stops the
+            # interpreter's other exit hooks, the wait for uploads still in flight among them.
             _complete(pending, exception=RuntimeError(message))
+            try:
+                warnings.warn(message, RuntimeWarning)
+            except Exception:  # pylint: disable=broad-exception-caught
+                print(message, file=sys.stderr)
 
 
 # DCP's upload thread is a ThreadPoolExecutor worker: concurrent.futures joins it at exit in a

@@ -89,7 +89,7 @@ class Walk:
             return type(value)(self.value(v, (*path, i)) for i, v in enumerate(value))
         if isinstance(value, tuple) and hasattr(type(value), "_fields"):  # a namedtuple
             return type(value)(*(self.value(v, (*path, i)) for i, v in enumerate(value)))
-        if isinstance(value, _ATOMS):
+        if type(value) in _ATOMS:  # pylint: disable=unidiomatic-typecheck
             return value
         if _holds_tensor(value):
             raise TypeError(

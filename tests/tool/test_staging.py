@@ -602,6 +602,34 @@ def test_a_staging_that_never_completes_does_not_keep_the_interpreter_from_exiti
     assert not (tmp_path / "ckpt" / ".metadata").exists()
 
 
+def test_the_exit_hook_fails_a_hung_staging_and_lets_other_uploads_finish_under_w_error(
+    tmp_path,
+):
+    """With warnings made errors (-W error, as CI often runs): before, the hook's warning
+    raised before it failed the hung staging, and a hook that raises stops the interpreter's
+    other exit hooks, among them the join of other uploads still running: a healthy one was
+    cut off unwritten. Now the staging is failed first and the message goes to stderr."""
+    marker = tmp_path / "healthy"
+    code = _EXIT.format(delay_s=0.0, hold="threading.Event()", path=str(tmp_path / "ckpt"))
+    code += (
+        "import concurrent.futures, pathlib, time\n"
+        "def healthy():\n"
+        f"    time.sleep(3); pathlib.Path({str(marker)!r}).write_text('ok')\n"
+        "concurrent.futures.ThreadPoolExecutor(1).submit(healthy)\n"
+    )
+    result = subprocess.run(
+        [sys.executable, "-W", "error::RuntimeWarning", "-c", code],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert result.returncode == 0 and result.stdout == "staged\n", result.stderr
+    assert "a staging not complete after 2.0 s" in result.stderr, result.stderr
+    assert marker.read_text() == "ok"
+    assert not (tmp_path / "ckpt" / ".metadata").exists()
+
+
 def test_a_staging_still_running_at_exit_is_waited_for_and_written(tmp_path):
     """A script that ends right after dcp.async_save, its copies taking 1 s: the exit waits
     for the staging (within EXIT_WAIT_S), and the checkpoint is written, as DCP's own
