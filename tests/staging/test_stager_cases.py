@@ -140,6 +140,22 @@ def test_adamw_cpu_step_and_tensor_lr_with_a_scheduler(ckpt_root):
     stager.close()
 
 
+def _at_async_save(model, optimizer, stager):
+    """What a checkpoint taken now must hold (the model and FusedAdam's export, copied now by
+    _flat), and the state dict that saves it through `stager`'s optimizer snapshot."""
+    expected = _flat(
+        {
+            "model": get_model_state_dict(model),
+            "optim": get_optimizer_state_dict(model, optimizer, options=OFFLOAD),
+        }
+    )
+    state = {
+        "model": get_model_state_dict(model),
+        "optim": stager.optimizer_snapshot(model, optimizer),
+    }
+    return expected, state
+
+
 def _snapshot_checkpoints(model, optimizer, ckpt_root, name, count=3):
     """`count` checkpoints with the optimizer snapshot, async staging, optimizer.step()
     right after each async_save (the side stream held back): each read back raw is the model
@@ -148,16 +164,7 @@ def _snapshot_checkpoints(model, optimizer, ckpt_root, name, count=3):
     group = dist.new_group(backend="gloo")
     for n in range(count):
         _step(model, optimizer, 10 * n)
-        expected = _flat(
-            {
-                "model": get_model_state_dict(model),
-                "optim": get_optimizer_state_dict(model, optimizer, options=OFFLOAD),
-            }
-        )
-        state = {
-            "model": get_model_state_dict(model),
-            "optim": stager.optimizer_snapshot(model, optimizer),
-        }
+        expected, state = _at_async_save(model, optimizer, stager)
         _hold(stager)
         path = os.path.join(ckpt_root, f"{name}{n}")
         result = dcp.async_save(state, checkpoint_id=path, process_group=group, async_stager=stager)
@@ -272,16 +279,7 @@ def test_close_during_staging(ckpt_root, where):
     _step(model, optimizer, 0)
     stager.stage({"model": get_model_state_dict(model)}).result()  # the side stream exists
     _step(model, optimizer, 1)
-    expected = _flat(
-        {
-            "model": get_model_state_dict(model),
-            "optim": get_optimizer_state_dict(model, optimizer, options=OFFLOAD),
-        }
-    )
-    state = {
-        "model": get_model_state_dict(model),
-        "optim": stager.optimizer_snapshot(model, optimizer),
-    }
+    expected, state = _at_async_save(model, optimizer, stager)
     _hold(stager)
     path = os.path.join(ckpt_root, f"close-{where}")
     result = dcp.async_save(state, checkpoint_id=path, process_group=group, async_stager=stager)
@@ -350,18 +348,8 @@ def test_close_from_a_signal_handler_during_staging(ckpt_root):
     _step(model, optimizer, 0)
     stager.stage({"model": get_model_state_dict(model)}).result()  # the side stream exists
     _step(model, optimizer, 1)
-    expected = _flat(
-        {
-            "model": get_model_state_dict(model),
-            "optim": get_optimizer_state_dict(model, optimizer, options=OFFLOAD),
-            "preempted": 0,
-        }
-    )
-    state = {
-        "model": get_model_state_dict(model),
-        "optim": stager.optimizer_snapshot(model, optimizer),
-        "preempted": _Preempted(),
-    }
+    expected, state = _at_async_save(model, optimizer, stager)
+    expected[("preempted",)], state["preempted"] = 0, _Preempted()  # SIGTERM when staged
     closed = []
     previous = signal.signal(signal.SIGTERM, lambda *_: closed.append(stager.close()))
     try:
