@@ -60,7 +60,13 @@ def _source_install(tree, tmp_path):
         for rel in series.main_paths():
             (tree / rel).parent.mkdir(parents=True, exist_ok=True)
             shutil.copyfile(mainline.main_tree() / rel, tree / rel)
-    git(["init", "-q", "-b", "main"], tree)
+    return _checkout_on_path(tree, tmp_path, "main")
+
+
+def _checkout_on_path(tree, tmp_path, branch):
+    """`tree` committed as a git checkout on `branch`, and a venv whose .pth file puts it on
+    sys.path; the venv's Python."""
+    git(["init", "-q", "-b", branch], tree)
     git(["add", "-A"], tree)
     git(["commit", "-qm", "TE"], tree)
     venv = tmp_path / "venv"
@@ -129,14 +135,9 @@ def test_te_installed_from_a_git_checkout_of_a_release_gets_the_series_as_commit
     transformer_engine/ as commits; revert takes them out."""
     (tree / "build_tools").mkdir()
     (tree / "build_tools" / "VERSION.txt").write_text(upstream.load_pin()["version"] + "\n")
-    git(["init", "-q", "-b", "release"], tree)
-    git(["add", "-A"], tree)
-    git(["commit", "-qm", "TE"], tree)
-    venv = tmp_path / "venv"
-    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True)
-    (purelib(venv / "bin" / "python") / "te-source.pth").write_text(f"{tree}\n")
+    python = _checkout_on_path(tree, tmp_path, "release")
     root = tree.resolve()
-    result = run_tool(["apply", "--python", str(venv / "bin" / "python")], pythonpath=tool_home)
+    result = run_tool(["apply", "--python", str(python)], pythonpath=tool_home)
     assert result.returncode == 1 and f"te-fusedadam-offload apply {root}" in result.stderr
 
     result = run_tool(["apply", str(root)], pythonpath=tool_home)
