@@ -254,7 +254,7 @@ class PinnedStager(AsyncStager):
         private = {
             id(t)
             for t in _leaves(state_dict)
-            if _storage(t) is not None and _storage(t) not in live
+            if (storage := _storage(t)) is not None and storage not in live
         }
         return Private(state_dict, private)
 

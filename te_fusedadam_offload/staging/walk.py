@@ -85,7 +85,7 @@ class Walk:
             return self.tensor(value, path)
         if isinstance(value, dict):
             return {k: self.value(v, (*path, k)) for k, v in value.items()}
-        if isinstance(value, (list, tuple)) and type(value) in (list, tuple):
+        if type(value) in (list, tuple):  # pylint: disable=unidiomatic-typecheck
             return type(value)(self.value(v, (*path, i)) for i, v in enumerate(value))
         if isinstance(value, tuple) and hasattr(type(value), "_fields"):  # a namedtuple
             return type(value)(*(self.value(v, (*path, i)) for i, v in enumerate(value)))
