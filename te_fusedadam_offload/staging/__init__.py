@@ -9,9 +9,14 @@ except the private copies that the caller marks (:meth:`~CheckpointStager.privat
 has it copy a TE ``FusedAdam``'s states itself, without the export's wait. The recipe is in
 docs/checkpointing.rst, the reference in docs/staging.rst.
 
+:meth:`~CheckpointStager.prepare` makes the buffers before the first checkpoint, in the
+background; for a resume, :meth:`~CheckpointStager.load_template` gives them as the template of
+``dcp.load`` and :class:`ParallelFileSystemReader` reads the checkpoint straight into them.
+
 Modules: :mod:`.stager` (the ``AsyncStager``: protocol and lifecycle; nothing of TE),
 :mod:`.buffers` (the buffers kept between checkpoints), :mod:`.walk` (what is copied, passed
-through or refused), :mod:`.snapshot` (TE FusedAdam's snapshot), :mod:`.widening`.
+through or refused), :mod:`.snapshot` (TE FusedAdam's snapshot), :mod:`.reader` (the reader
+for ``dcp.load``), :mod:`.widening`.
 
 This package is a runtime helper of this patch set, not TE code. It implements DCP's public
 ``AsyncStager`` protocol; of DTensor it uses the local tensor and the spec, as DCP's own
@@ -30,6 +35,7 @@ except ImportError as exc:  # pragma: no cover (the message is tested in a torch
     ) from exc
 
 # pylint: disable=wrong-import-position
+from .reader import ParallelFileSystemReader
 from .snapshot import CheckpointStager
 
-__all__ = ["CheckpointStager"]
+__all__ = ["CheckpointStager", "ParallelFileSystemReader"]

@@ -22,16 +22,31 @@ class BufferCache:
         # path -> (buffer, weak reference to the view of it that the last staging returned)
         self._entries = {}
 
-    def view(self, path, shape, dtype):
+    def view(self, path, shape, dtype, *, track=True):
         """A view of the buffer of `path` for this staging, and whether the last buffer was
-        still held (an upload not done), so that this one is new."""
+        still held (an upload not done), so that this one is new. With track=False, the next
+        staging reuses the buffer even while that view is alive (a load template's)."""
         buffer, last = self._entries.get(path, (None, None))
         held = last is not None and last() is not None
         if held or buffer is None or buffer.shape != shape or buffer.dtype != dtype:
             buffer = torch.empty(shape, dtype=dtype, pin_memory=self.pin_memory)
         view = buffer.view(buffer.shape)
-        self._entries[path] = (buffer, weakref.ref(view))
+        self._entries[path] = (buffer, weakref.ref(view) if track else None)
         return view, held
+
+    def allocate(self, specs, stop):
+        """Make the buffers of `specs` ([(path, shape, dtype)]) that the cache lacks, one at a
+        time until stop() is true; they join the cache together at the end (another thread
+        may read it meanwhile). Returns the bytes made."""
+        made = {}
+        for path, shape, dtype in specs:
+            if stop():
+                return 0
+            buffer, _ = self._entries.get(path, (None, None))
+            if buffer is None or buffer.shape != shape or buffer.dtype != dtype:
+                made[path] = (torch.empty(shape, dtype=dtype, pin_memory=self.pin_memory), None)
+        self._entries.update(made)
+        return sum(b.numel() * b.element_size() for b, _ in made.values())
 
     def keep_only(self, paths):
         """Free the buffers of the paths that the last staging did not have."""
@@ -43,18 +58,21 @@ class BufferCache:
         its thread sets the upload's future first (so the caller may already be staging the
         next checkpoint), then lets go."""
         deadline = time.monotonic() + timeout_s
-        while any(view() is not None for _, view in self._entries.values()):
+        while any(view is not None and view() is not None for _, view in self._views()):
             if time.monotonic() > deadline:
                 return
             time.sleep(0.001)
 
     def nbytes(self):
         """Bytes of the buffers kept."""
-        return sum(b.numel() * b.element_size() for b, _ in self._entries.values())
+        return sum(b.numel() * b.element_size() for b, _ in self._views())
 
     def pointers(self):
         """The buffers' addresses, sorted (to tell a reused buffer from a new one)."""
-        return sorted(b.data_ptr() for b, _ in self._entries.values())
+        return sorted(b.data_ptr() for b, _ in self._views())
+
+    def _views(self):
+        return list(self._entries.values())  # a copy: a prepare() thread may update it
 
     def clear(self):
         """Drop every buffer (one that an upload still holds is freed when it lets go)."""

@@ -16,6 +16,9 @@ import weakref
 
 import torch
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
+
+# DCP's own step that makes an optimizer's states (get/set_optimizer_state_dict call it)
+from torch.distributed.checkpoint.state_dict import _init_optim_state
 from torch.distributed.fsdp import FullyShardedDataParallel
 from torch.distributed.tensor import DTensor
 
@@ -67,7 +70,8 @@ class CheckpointStager(PinnedStager):  # pylint: disable=missing-class-docstring
         Arguments:
             model (torch.nn.Module): as for ``get_optimizer_state_dict``; not FSDP1.
             optimizer (FusedAdam): a TE ``FusedAdam`` (not a subclass that overrides
-                ``state_dict()``) that has taken a step.
+                ``state_dict()``) that has taken a step (in :meth:`load_template`, one
+                without states gets them as ``get_optimizer_state_dict`` makes them).
             options (StateDictOptions, optional): as for ``get_optimizer_state_dict``, but
                 not ``full_state_dict`` (it would gather values not copied yet); leave
                 ``cpu_offload`` off (the stager copies).
@@ -133,11 +137,13 @@ class _OptimizerSnapshot(Extension):
                 "whose optimizer_snapshot() made it"
             )
         if not optimizer.state:
-            raise RuntimeError(
-                "CheckpointStager.optimizer_snapshot(): the optimizer has no states yet "
-                "(before its first step)"
-            )
-        if optimizer not in stager._hooks:
+            if walk.mode != "template":
+                raise RuntimeError(
+                    "CheckpointStager.optimizer_snapshot(): the optimizer has no states yet "
+                    "(before its first step)"
+                )
+            _init_optim_state(optimizer)  # as get_optimizer_state_dict() does
+        if walk.mode == "stage" and optimizer not in stager._hooks:
             hook = functools.partial(_wait_for_copies, weakref.ref(stager))
             stager._hooks[optimizer] = optimizer.register_step_pre_hook(hook)
         params = [p for g in optimizer.param_groups for p in g["params"]]

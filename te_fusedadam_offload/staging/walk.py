@@ -17,7 +17,7 @@ import pickle
 import torch
 from torch.distributed.tensor import DTensor
 
-__all__ = ["Extension", "Private", "Walk"]
+__all__ = ["Extension", "Private", "Specs", "Walk"]
 
 _PLAIN = (torch.Tensor, torch.nn.Parameter)
 _ATOMS = (type(None), bool, int, float, complex, str, bytes)
@@ -61,12 +61,27 @@ class Private(Extension):
             walk.private = outer
 
 
+class Specs:
+    """The buffer cache's stand-in in a walk of prepare(): it notes the buffer each path
+    needs and gives a placeholder of that shape and dtype (one element, expanded)."""
+
+    def __init__(self):
+        self.specs = []  # (path, shape, dtype)
+
+    def view(self, path, shape, dtype, *, track=True):  # pylint: disable=unused-argument
+        """A placeholder for the buffer of `path`; never held."""
+        self.specs.append((path, shape, dtype))
+        return torch.empty((), dtype=dtype).expand(shape), False
+
+
 class Walk:
     """One staging's walk of a state dict: the staged state dict it returns, and what the
-    stager does with it (the copies, the buffers used)."""
+    stager does with it (the copies, the buffers used). Its mode: "stage", or "prepare"
+    (buffers is a Specs) and "template" (the buffers without copies), whose copies are
+    never run."""
 
-    def __init__(self, stager, buffers):
-        self.stager, self.buffers = stager, buffers
+    def __init__(self, stager, buffers, mode="stage"):
+        self.stager, self.buffers, self.mode = stager, buffers, mode
         self.cpu = []  # (buffer view, CPU tensor): copied in stage()
         self.gpu = []  # (buffer view, CUDA tensor): copied on the side stream
         self.deferred = []  # f(walk, stream), run once the GPU copies are enqueued (snapshot)
@@ -133,7 +148,7 @@ class Walk:
 
     def buffer(self, path, shape, dtype):
         """A view of the stager's buffer of `path` for this staging."""
-        view, held = self.buffers.view(path, shape, dtype)
+        view, held = self.buffers.view(path, shape, dtype, track=self.mode == "stage")
         self.paths.append(path)
         if held:
             self.held.append(path)
