@@ -50,25 +50,25 @@ class ParallelFileSystemReader(FileSystemReader):
         self.fast_items = self.other_items = 0
 
     def read_data(self, plan, planner):
-        reads, done, other = [], [], []  # (fd, file offset, uint8 view); (item, tensor); items
-        files = {}
+        reads, done, other = [], [], []  # (path, file offset, uint8 view); (item, tensor); items
+        opened = {}  # the file of the last item (one file per rank: all of them)
         try:
             for item in plan.items:
-                found = self._direct(item, planner, files)
+                found = self._direct(item, planner, opened)
                 if found is None:
                     other.append(item)
                     continue
-                target, fd, offset = found
+                target, path, offset = found
                 flat = target.reshape(-1).view(torch.uint8).numpy()
                 for start in range(0, flat.size, CHUNK_BYTES):
-                    reads.append((fd, offset + start, flat[start : start + CHUNK_BYTES]))
+                    reads.append((path, offset + start, flat[start : start + CHUNK_BYTES]))
                 done.append((item, target))
-            with ThreadPoolExecutor(self.thread_count, "ParallelFileSystemReader") as pool:
-                for _ in pool.map(_read, *zip(*reads)) if reads else ():
-                    pass  # raises the first failure
         finally:
-            for file in files.values():
+            for file in opened.values():
                 file.close()
+        with ThreadPoolExecutor(self.thread_count, "ParallelFileSystemReader") as pool:
+            for _ in pool.map(_read, *zip(*reads)) if reads else ():
+                pass  # raises the first failure
         for item, target in done:
             planner.commit_tensor(item, target)
         self.fast_items, self.other_items = len(done), len(other)
@@ -78,21 +78,25 @@ class ParallelFileSystemReader(FileSystemReader):
         future.set_result(None)
         return future
 
-    def _direct(self, item, planner, files):
-        """(template tensor, fd, offset of its bytes in the file) of an item read directly,
+    def _direct(self, item, planner, opened):
+        """(template tensor, file path, offset of its bytes there) of an item read directly,
         or None."""
         if item.type != LoadItemType.TENSOR:
             return None
         info = self.storage_data[item.storage_index]
         if getattr(info, "transform_descriptors", None):
             return None
-        if info.relative_path not in files:
-            path = self.fs.concat_path(self.path, info.relative_path)
-            files[info.relative_path] = open(path, "rb")  # pylint: disable=consider-using-with
-        file = files[info.relative_path]
+        path = self.fs.concat_path(self.path, info.relative_path)
+        if path not in opened:
+            for file in opened.values():
+                file.close()
+            opened.clear()
+            opened[path] = open(path, "rb")  # pylint: disable=consider-using-with
         # The stored tensor's metadata and where its bytes start in the item (torch.save's
         # archive): torch.load to the meta device reads no data.
-        stored = torch.load(self._slice_file(file, info), map_location="meta", weights_only=True)
+        stored = torch.load(
+            self._slice_file(opened[path], info), map_location="meta", weights_only=True
+        )
         start = getattr(stored.untyped_storage(), "_checkpoint_offset", None)
         if not _plain(stored) or start is None:
             return None
@@ -106,19 +110,22 @@ class ParallelFileSystemReader(FileSystemReader):
             stored.shape,
         ) or not stored.is_contiguous():
             return None
-        offset = info.offset + start + stored.storage_offset() * stored.element_size()
-        return target, file.fileno(), offset
+        return target, path, info.offset + start + stored.storage_offset() * stored.element_size()
 
 
 def _plain(tensor):
     return type(tensor) is torch.Tensor  # pylint: disable=unidiomatic-typecheck
 
 
-def _read(fd, offset, view):
-    """Read len(view) bytes of `fd` at `offset` into `view`."""
-    done = 0
-    while done < view.size:
-        count = os.preadv(fd, [view[done:]], offset + done)
-        if count == 0:
-            raise EOFError(f"the checkpoint file ends before offset {offset + view.size}")
-        done += count
+def _read(path, offset, view):
+    """Read len(view) bytes of the file at `offset` into `view`."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        done = 0
+        while done < view.size:
+            count = os.preadv(fd, [view[done:]], offset + done)
+            if count == 0:
+                raise EOFError(f"{path} ends before byte {offset + view.size}")
+            done += count
+    finally:
+        os.close(fd)
