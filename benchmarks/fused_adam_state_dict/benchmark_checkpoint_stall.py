@@ -73,6 +73,15 @@ after_iterations (how many), after_s (their seconds) and after_excess_s (after_s
 iterations of the baseline's median; it also holds what te_snapshot's BF16 widening, before
 the upload, takes from them) to the rows. after_excess_s / after_iterations is the cost per
 iteration, to be read against the spread of the baseline.
+
+The first checkpoint's pinned buffers made beforehand: --prepare has each te_ variant's stager
+make them with stager.prepare() (of the state dict that async_save then gets, in a background
+thread) after the warm-up, and go on training until every rank's prepare() is done; every row
+of the variant gets prepared (true; false without the flag or for the other variants) and the
+prepare's figures (the same on each row): prepare_returned_s (until prepare() returned, the
+state dict made), prepare_s (until its buffers were made), prepare_iterations (the iterations
+meanwhile), prepare_excess_s (their seconds minus as many medians of --baseline iterations
+before it: what the allocation took from training) and prepare_gib (pinned memory it made).
 """
 
 import argparse
@@ -182,14 +191,7 @@ def checkpoint(variant, trainer, state_stager, group, path, args, iteration_s):
         nothing.set_result(None)
         written.set()
         return row, nothing, written
-    if variant == "te_snapshot":
-        optim = state_stager.optimizer_snapshot(model, optimizer)  # taken in async_save
-    elif variant.startswith("te_") and hasattr(state_stager, "optimizer_export"):
-        # The export's private CPU copies passed through (a stager from before
-        # optimizer_export() passed every CPU tensor through)
-        optim = state_stager.optimizer_export(model, optimizer, options=OFFLOAD)
-    else:
-        optim = get_optimizer_state_dict(model, optimizer, options=OFFLOAD)
+    optim = _optim_state(variant, state_stager, model, optimizer)
     row["export_optim_s"] = time.perf_counter() - start
     mark = time.perf_counter()
     on_gpu = variant != "async_save"
@@ -261,6 +263,52 @@ def checkpoint(variant, trainer, state_stager, group, path, args, iteration_s):
     return row, upload, uploaded
 
 
+def _optim_state(variant, state_stager, model, optimizer):
+    """The optimizer part of the state dict that a variant passes to async_save."""
+    if variant == "te_snapshot":
+        return state_stager.optimizer_snapshot(model, optimizer)  # taken in async_save
+    if variant.startswith("te_") and hasattr(state_stager, "optimizer_export"):
+        # The export's private CPU copies passed through (a stager from before
+        # optimizer_export() passed every CPU tensor through)
+        return state_stager.optimizer_export(model, optimizer, options=OFFLOAD)
+    return get_optimizer_state_dict(model, optimizer, options=OFFLOAD)
+
+
+def prepare(variant, trainer, stager, args):
+    """--prepare: stager.prepare() of the state dict that the variant's checkpoints pass to
+    async_save, then iterations until every rank's buffers are made; the rows' figures."""
+    iteration_s, _, _ = trainer.baseline(args.baseline)
+    model, optimizer = trainer.model, trainer.optimizer
+    torch.cuda.synchronize()
+    dist.barrier()
+    start = time.perf_counter()
+    state = {  # the model state on the GPU, as in checkpoint() for the te_ variants
+        "model": get_model_state_dict(model),
+        "optim": _optim_state(variant, stager, model, optimizer),
+    }
+    future = stager.prepare(state)
+    returned = time.perf_counter() - start
+    del state
+    ended = []
+    future.add_done_callback(lambda _: ended.append(time.perf_counter()))
+    iterations, spent = 0, 0.0
+    while _max_over_ranks(not future.done()):
+        mark = time.perf_counter()
+        trainer.iteration()
+        spent += time.perf_counter() - mark
+        iterations += 1
+    made = future.result()
+    # Its callback runs just after the future is done: a moment later at most.
+    prepare_s = (ended[0] if ended else time.perf_counter()) - start
+    return {
+        "prepare_returned_s": round(_max_over_ranks(returned), 4),
+        "prepare_s": round(_max_over_ranks(prepare_s), 4),
+        "prepare_iterations": iterations,
+        "prepare_excess_s": round(_max_over_ranks(spent - iterations * iteration_s), 4),
+        "prepare_gib": round(_max_over_ranks(made) / GiB, 3),
+    }
+
+
 def _wait_for_lock(manager):
     """What `with manager.lock(): optimizer.step()` waits for before the step."""
     with manager.lock():
@@ -299,6 +347,9 @@ def run(args, base, offload):
             trainer.baseline(args.warmup)
             stager = _stager(variant)
             te_stager = isinstance(stager, CheckpointStager)
+            prepared = {"prepared": bool(args.prepare and te_stager)}
+            if prepared["prepared"]:
+                prepared.update(prepare(variant, trainer, stager, args))
             path = _checkpoint_dir(args, f"stall-{variant}")
             pending = []  # (row, this rank's times, (upload, event)) not yet written
             for n in range(args.checkpoints):
@@ -314,6 +365,7 @@ def run(args, base, offload):
                     iteration_s=round(iteration_s, 4),
                     iteration_min_s=round(shortest, 4),
                     iteration_max_s=round(longest, 4),
+                    **prepared,
                 )
                 if te_stager:
                     row["uploads_pending"] = sum(not u.done() for _, _, (u, _) in pending)
@@ -391,6 +443,11 @@ def main():
         "--train-during-upload",
         action="store_true",
         help="after the iteration of the stall, go on training until every rank's upload is done",
+    )
+    parser.add_argument(
+        "--prepare",
+        action="store_true",
+        help="te_ variants: stager.prepare() before the first checkpoint, training until done",
     )
     parser.add_argument("--out", help="append the JSON lines to this file")
     args = parser.parse_args()

@@ -9,7 +9,8 @@
 Writes gpu_peak_vs_total.png, gpu_peak_vs_largest.png and throughput.png for the export
 modes and, if the run has load modes, load.png, each with the command that regenerates it in
 its footer. For a run of benchmark_dcp_checkpoint.py, dcp_checkpoint.png; for one of
-benchmark_checkpoint_stall.py, checkpoint_stall.png.
+benchmark_checkpoint_stall.py, checkpoint_stall.png (its --prepare rows as lines of their
+own); for one of benchmark_resume.py, resume.png.
 """
 
 import argparse
@@ -252,15 +253,29 @@ def plot_stall(rows, source, out):
     for ax, length in zip(axes[0], lengths):
         sel = [r for r in rows if r["iteration"] == length]
         for i, (variant, label) in enumerate(STALL_LABELS.items()):
-            for offload, style, marker in ((False, "--", "x"), (True, "-", "o")):
-                pts = sorted(
-                    (r["n"], r["stall_s"])
+            for offload, prepared, style, marker in (
+                (False, False, "--", "x"),
+                (True, False, "-", "o"),
+                (False, True, ":", "+"),
+                (True, True, ":", "s"),
+            ):
+                hits = [
+                    r
                     for r in sel
-                    if r["variant"] == variant and r["offload"] == offload
-                )
-                if pts:
+                    if r["variant"] == variant
+                    and r["offload"] == offload
+                    and r.get("prepared", False) == prepared
+                ]
+                if hits:
+                    pts = sorted((r["n"], r["stall_s"]) for r in hits)
                     mode = "option" if offload else "default"
                     name = label if variant == "none" else f"{label}, {mode}"  # no checkpoint
+                    if prepared:  # the first checkpoint's buffers made by prepare() before it
+                        first = hits[0]
+                        name += (
+                            f", prepare() before ({first['prepare_s']:.1f} s,"
+                            f" {first['prepare_excess_s']:+.2f} s of training)"
+                        )
                     ax.plot(*zip(*pts), style, marker=marker, color=f"C{i}", label=name)
         iteration = statistics.median(r["iteration_s"] for r in sel)
         ax.set_title(f"{length} iteration ({iteration:.2f} s)", fontsize=9)
@@ -272,7 +287,10 @@ def plot_stall(rows, source, out):
         ax.axhline(0.1, color="gray", linewidth=0.5)  # 0.1 s, the aim of the snapshot
         ax.xaxis.get_major_locator().set_params(integer=True)
     handles, labels = axes[0][0].get_legend_handles_labels()
-    fig.legend(handles, labels, loc="lower center", ncol=2, fontsize=7, bbox_to_anchor=(0.5, 0.06))
+    ncol = 1 if any(r.get("prepared") for r in rows) else 2  # room for the prepare() figures
+    fig.legend(
+        handles, labels, loc="lower center", ncol=ncol, fontsize=7, bbox_to_anchor=(0.5, 0.06)
+    )
     first = rows[0]
     fig.suptitle(
         f"Checkpoint stall, FSDP2, {first['world_size']}x {first['gpu']}, "
@@ -284,6 +302,69 @@ def plot_stall(rows, source, out):
     fig.savefig(out / "checkpoint_stall.png", dpi=120)
 
 
+def _resume_bars(ax, rows):
+    """resume_s per variant (the median of its repeats), warm and cold; the disk's limit."""
+    variants = [v for v in ("standard", "parallel") if any(r["variant"] == v for r in rows)]
+    conditions = [c for c in (False, True) if any(r["cold"] == c for r in rows)]
+    for i, variant in enumerate(variants):
+        label = variant  # on its first bar only
+        for j, cold in enumerate(conditions):
+            hits = [r for r in rows if r["variant"] == variant and r["cold"] == cold]
+            if not hits:
+                continue
+            value = statistics.median(r["resume_s"] for r in hits)
+            x = j + (i - (len(variants) - 1) / 2) * 0.4
+            if variant == "parallel" and label:
+                label += f" ({hits[0]['threads']} threads)"
+            ax.bar(x, value, 0.4, color=f"C{i}", label=label)
+            label = None
+            text = f"{value:.2f} s\n{hits[0]['GB'] / value:.1f} GB/s"
+            ax.text(x, value, text, ha="center", va="bottom", fontsize=7)
+    disk = [r["disk_GBps"] for r in rows if r["cold"] and r.get("disk_GBps")]
+    if disk:  # the checkpoint read at the disk's own speed
+        j, limit = conditions.index(True), rows[0]["GB"] / disk[0]
+        ax.hlines(limit, j - 0.45, j + 0.45, colors="gray", linestyles="--")
+        ax.text(j, limit, f"disk: {disk[0]:.1f} GB/s", ha="center", va="bottom", fontsize=7)
+    names = {False: "warm (page cache)", True: "cold (evicted)"}
+    ax.set_xticks(range(len(conditions)), [names[c] for c in conditions])
+    ax.set_ylabel("resume: dcp.load + set_*_state_dict (s, slowest rank)")
+    ax.legend(fontsize=8)
+    ax.grid(True, axis="y", alpha=0.3)
+
+
+def plot_resume(rows, source, out):
+    """benchmark_resume.py: the resume per variant, warm and cold, and the reader's thread
+    sweep (--threads-sweep) where the run has one."""
+    main_rows = [r for r in rows if not r.get("sweep")]
+    sweep = {}
+    for r in rows:
+        if r.get("sweep"):
+            sweep.setdefault(r["threads"], []).append(r["resume_s"])
+    panels = bool(main_rows) + bool(sweep)
+    fig, axes = plt.subplots(1, panels, figsize=(5 + 3.5 * panels, 4.5), squeeze=False)
+    if main_rows:
+        _resume_bars(axes[0][0], main_rows)
+    if sweep:
+        ax = axes[0][-1]
+        threads = sorted(sweep)
+        ax.plot(threads, [statistics.median(sweep[t]) for t in threads], marker="o")
+        ax.set_xscale("log", base=2)
+        ax.set_xticks(threads, [str(t) for t in threads])
+        ax.set_xlabel("ParallelFileSystemReader threads (parallel, warm)")
+        ax.set_ylabel("resume (s, slowest rank)")
+        ax.grid(True, alpha=0.3)
+    first = rows[0]
+    fig.suptitle(
+        f"Resume of a {first['GB']:.1f} GB DCP checkpoint, {first['world_size']}x {first['gpu']},"
+        f" 2^{first['local_log2']} BF16 parameter elements per rank",
+        fontsize=9,
+    )
+    _footer(fig, source, f"torch {first['torch']}, TE {first['te']}, {first['cpus']} CPUs")
+    fig.tight_layout(rect=(0, 0.06, 1, 1))
+    fig.savefig(out / "resume.png", dpi=120)
+    plt.close(fig)
+
+
 def main():
     """Parse arguments, write the figures."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -293,6 +374,10 @@ def main():
     rows = load(args.jsonl)
     out = Path(args.out) if args.out else Path(args.jsonl).parent
     out.mkdir(parents=True, exist_ok=True)
+    if "dcp_load_s" in rows[0]:
+        plot_resume(rows, args.jsonl, out)
+        print(f"wrote {out}/resume.png")
+        return
     if "variant" in rows[0]:
         plot_stall(rows, args.jsonl, out)
         print(f"wrote {out}/checkpoint_stall.png")
