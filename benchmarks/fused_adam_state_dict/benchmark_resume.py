@@ -30,8 +30,8 @@ sweep true).
 
 One JSON line per resume (rank 0; seconds of the slowest rank, each phase between
 torch.cuda.synchronize() and barriers): variant, cold, threads, repeat, sweep, GB (checkpoint
-bytes on disk / 1e9), template_s, dcp_load_s, set_s, resume_s (dcp_load_s + set_s, what the
-issue counts), total_s (the three), GBps (GB / resume_s), host_peak_GiB (the process's resident
+bytes on disk / 1e9), template_s, dcp_load_s, set_s, resume_s (dcp_load_s + set_s: the
+checkpoint read and loaded), total_s (the three), GBps (GB / resume_s), host_peak_GiB (the process's resident
 peak during the resume, VmHWM reset through /proc/self/clear_refs, above its resident memory
 before: pinned pages included, the page cache not), gpu_peak_gib (above allocated before),
 bitwise (the optimizer states as the export gives them and the local parameter shards equal to
