@@ -20,19 +20,22 @@ if not torch.cuda.is_available():
 # pylint: disable=wrong-import-position
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_model_state_dict,
     get_optimizer_state_dict,
+    set_model_state_dict,
+    set_optimizer_state_dict,
 )
 from torch.distributed.tensor import DTensor
 
 import transformer_engine.pytorch as te
 
-from te_fusedadam_offload.staging import CheckpointStager
+from te_fusedadam_offload.staging import CheckpointStager, ParallelFileSystemReader
 
-from test_checkpoint_stager import _build, _step  # beside this file
+from test_checkpoint_stager import SNAPSHOTS, _build, _step  # beside this file
 
 OFFLOAD = StateDictOptions(cpu_offload=True)
 
@@ -140,15 +143,18 @@ def test_adamw_cpu_step_and_tensor_lr_with_a_scheduler(ckpt_root):
     stager.close()
 
 
+def _live(model, optimizer):
+    """The model's state dict and FusedAdam's export, as a checkpoint holds them."""
+    return {
+        "model": get_model_state_dict(model),
+        "optim": get_optimizer_state_dict(model, optimizer, options=OFFLOAD),
+    }
+
+
 def _at_async_save(model, optimizer, stager):
     """What a checkpoint taken now must hold (the model and FusedAdam's export, copied now by
     _flat), and the state dict that saves it through `stager`'s optimizer snapshot."""
-    expected = _flat(
-        {
-            "model": get_model_state_dict(model),
-            "optim": get_optimizer_state_dict(model, optimizer, options=OFFLOAD),
-        }
-    )
+    expected = _flat(_live(model, optimizer))
     state = {
         "model": get_model_state_dict(model),
         "optim": stager.optimizer_snapshot(model, optimizer),
@@ -381,4 +387,174 @@ def test_a_cuda_tensor_in_a_namedtuple_is_staged_to_the_host():
     assert torch.equal(staged["p"].w, weight.cpu())
     with pytest.raises(TypeError, match="holds a tensor"):
         stager.stage({"s": {weight}})
+    stager.close()
+
+
+# prepare() before the first checkpoint; a resume into the stager's buffers
+# (load_template() and ParallelFileSystemReader).
+
+
+def _read(reader, model, optimizer):
+    """The checkpoint of `reader` loaded into the usual templates (get_*_state_dict with
+    cpu_offload: CPU copies, the model and optimizer left as they are), copied by _flat."""
+    template = {
+        "model": get_model_state_dict(model, options=OFFLOAD),
+        "optim": get_optimizer_state_dict(model, optimizer, options=OFFLOAD),
+    }
+    dcp.load(template, storage_reader=reader)
+    return _flat(template)
+
+
+@pytest.mark.parametrize("config", SNAPSHOTS, ids=list(SNAPSHOTS))
+def test_prepared_buffers_are_the_first_checkpoints_and_each_checkpoint_is_whole(ckpt_root, config):
+    """prepare() of the state dict that async_save will get makes the buffers that the first
+    checkpoint takes (the same addresses, no overlapping staging), and the second reuses them;
+    each checkpoint, optimizer.step() right after its async_save, read back raw and through
+    the usual templates with DCP's FileSystemReader, is the state at async_save."""
+    model, optimizer = _build(load_state_dict_in_place=True, **SNAPSHOTS[config])
+    _step(model, optimizer, 0)
+    stager = CheckpointStager(async_staging=True)
+    made = stager.prepare(
+        {"model": get_model_state_dict(model), "optim": stager.optimizer_snapshot(model, optimizer)}
+    ).result()
+    prepared = stager._buffers.pointers()
+    assert made == stager.cached_bytes() > 0
+    group = dist.new_group(backend="gloo")
+    for n in range(2):
+        expected, state = _at_async_save(model, optimizer, stager)
+        _hold(stager)
+        path = os.path.join(ckpt_root, f"prepared{n}")
+        result = dcp.async_save(state, checkpoint_id=path, process_group=group, async_stager=stager)
+        del state
+        assert stager._buffers.pointers() == prepared and stager.overlapping_stagings == 0
+        _step(model, optimizer, 10 * n + 1)  # not waiting for the staging
+        result.upload_completion.result()
+        _same(_raw(path), expected)
+        _same(_read(FileSystemReader(path), model, optimizer), expected)
+    stager.close()
+
+
+Resumed = collections.namedtuple("Resumed", "model optimizer template reader peak")
+
+
+def _resume(path, config, stager=None):
+    """A new model and FusedAdam (no step taken) resumed from the checkpoint at `path`: into
+    `stager`'s load template with ParallelFileSystemReader, or without a stager the standard
+    way (templates of get_*_state_dict with cpu_offload, DCP's FileSystemReader). `peak`: the
+    GPU memory that the resume added at its peak."""
+    model, optimizer = _build(seed=99, load_state_dict_in_place=True, **SNAPSHOTS[config])
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    before = torch.cuda.memory_allocated()
+    if stager is None:
+        template = {
+            "model": get_model_state_dict(model, options=OFFLOAD),
+            "optim": get_optimizer_state_dict(model, optimizer, options=OFFLOAD),
+        }
+        reader = FileSystemReader(path)  # what dcp.load(..., checkpoint_id=path) takes
+    else:
+        template = stager.load_template(
+            {
+                "model": get_model_state_dict(model),
+                "optim": stager.optimizer_snapshot(model, optimizer),
+            }
+        )
+        reader = ParallelFileSystemReader(path)
+    dcp.load(template, storage_reader=reader)
+    set_model_state_dict(model, template["model"])
+    set_optimizer_state_dict(model, optimizer, template["optim"])
+    torch.cuda.synchronize()
+    return Resumed(model, optimizer, template, reader, torch.cuda.max_memory_allocated() - before)
+
+
+def _leaves(value, path=()):
+    """(path, leaf) of nested dicts, lists and tuples."""
+    if isinstance(value, dict):
+        items = value.items()
+    elif isinstance(value, (list, tuple)):
+        items = enumerate(value)
+    else:
+        yield path, value
+        return
+    for key, item in items:
+        yield from _leaves(item, (*path, str(key)))
+
+
+def _layouts(state):
+    """{path: (placements, shape, stride, dtype, local device)} of the DTensors of `state`."""
+    return {
+        path: (v.placements, v.shape, v.stride(), v.dtype, v._local_tensor.device.type)
+        for path, v in _leaves(state)
+        if isinstance(v, DTensor)
+    }
+
+
+def _pointers(state):
+    """The addresses of the tensors of `state` (of DTensors: their local tensors), sorted."""
+    return sorted(
+        (v._local_tensor if isinstance(v, DTensor) else v).data_ptr()
+        for _, v in _leaves(state)
+        if isinstance(v, torch.Tensor)
+    )
+
+
+def _same_resumed(a, b):
+    """The models and FusedAdam's exports of two resumes are bitwise the same, with the same
+    DTensor layouts."""
+    a, b = _live(a.model, a.optimizer), _live(b.model, b.optimizer)
+    _same(_flat(a), _flat(b))
+    assert _layouts(a) == _layouts(b)
+
+
+@pytest.mark.parametrize("writer", ["dcp_save", "stager"])
+@pytest.mark.parametrize("config", SNAPSHOTS, ids=list(SNAPSHOTS))
+def test_a_resume_into_the_stagers_buffers_is_the_standard_resume(ckpt_root, config, writer):
+    """A checkpoint written by dcp.save of the usual state dicts, or by the stager with its
+    optimizer snapshot (the step right after async_save), resumed into new optimizers without
+    states: into a stager's load template with ParallelFileSystemReader, and the standard way.
+    Both templates hold the state at the save bitwise, with the same DTensor layouts (the
+    stager's: its own buffers, read directly); then the model and FusedAdam's export are
+    bitwise the same in both, with the same layouts, and stay so after a step; the resume into
+    the stager takes no more GPU memory. The next checkpoint, the template still alive, reuses
+    its buffers and is whole."""
+    model, optimizer = _build(load_state_dict_in_place=True, **SNAPSHOTS[config])
+    _step(model, optimizer, 0)
+    _step(model, optimizer, 1)
+    path = os.path.join(ckpt_root, writer)
+    group = dist.new_group(backend="gloo")
+    if writer == "dcp_save":
+        expected = _flat(_live(model, optimizer))
+        dcp.save(_live(model, optimizer), checkpoint_id=path)
+    else:
+        writing = CheckpointStager(async_staging=True)
+        expected, state = _at_async_save(model, optimizer, writing)
+        result = dcp.async_save(
+            state, checkpoint_id=path, process_group=group, async_stager=writing
+        )
+        del state
+        _step(model, optimizer, 2)  # not waiting for the staging
+        result.upload_completion.result()
+        writing.close()
+    stager = CheckpointStager(async_staging=True)
+    new = _resume(path, config, stager)
+    standard = _resume(path, config)
+    _same(_flat(new.template), expected)
+    _same(_flat(standard.template), expected)
+    assert _layouts(new.template) == _layouts(standard.template)
+    assert _pointers(new.template) == stager._buffers.pointers()
+    assert new.reader.fast_items > 0
+    assert new.peak <= standard.peak, (new.peak, standard.peak)
+    _same_resumed(new, standard)
+    for resumed in (new, standard):
+        _step(resumed.model, resumed.optimizer, 3)
+    _same_resumed(new, standard)
+    pointers = stager._buffers.pointers()
+    expected, state = _at_async_save(new.model, new.optimizer, stager)
+    again = os.path.join(ckpt_root, f"{writer}-again")
+    dcp.async_save(
+        state, checkpoint_id=again, process_group=group, async_stager=stager
+    ).upload_completion.result()
+    del state
+    assert stager._buffers.pointers() == pointers and stager.overlapping_stagings == 0
+    _same(_raw(again), expected)
     stager.close()
