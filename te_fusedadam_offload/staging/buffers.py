@@ -4,8 +4,10 @@ Nothing here needs CUDA: the buffers are pinned where PyTorch has CUDA and plain
 otherwise, so the reuse policy is tested on any machine.
 """
 
+import threading
 import time
 import weakref
+from concurrent.futures import Future, wait
 
 import torch
 
@@ -21,6 +23,7 @@ class BufferCache:
         self.pin_memory = pin_memory
         # path -> (buffer, weak reference to the view of it that the last staging returned)
         self._entries = {}
+        self._preparing = None  # the future of the last prepare()
 
     def view(self, path, shape, dtype, *, track=True):
         """A view of the buffer of `path` for this staging, and whether the last buffer was
@@ -33,6 +36,35 @@ class BufferCache:
         view = buffer.view(buffer.shape)
         self._entries[path] = (buffer, weakref.ref(view) if track else None)
         return view, held
+
+    def prepare(self, specs, stop):
+        """allocate(specs, stop) in a daemon thread; a future of the bytes made."""
+        future = Future()
+        thread = threading.Thread(target=self._prepare, args=(future, specs, stop), daemon=True)
+        self._preparing = future
+        try:
+            thread.start()
+        except BaseException:
+            self._preparing = None  # nothing would complete it
+            raise
+        return future
+
+    def _prepare(self, future, specs, stop):
+        try:
+            made = self.allocate(specs, stop)
+        except BaseException as exc:  # pylint: disable=broad-exception-caught
+            future.set_exception(exc)
+        else:
+            future.set_result(made)
+
+    def preparing(self):
+        """Whether a prepare() is under way."""
+        return self._preparing is not None and not self._preparing.done()
+
+    def wait_prepared(self):
+        """Wait for the last prepare()."""
+        if self._preparing is not None:
+            wait([self._preparing])
 
     def allocate(self, specs, stop):
         """Make the buffers of `specs` ([(path, shape, dtype)]) that the cache lacks, one at a

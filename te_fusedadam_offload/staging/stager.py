@@ -10,6 +10,7 @@ staging not complete after ``EXIT_WAIT_S`` is failed, so that a hung device does
 DCP's upload thread (which waits for it, and which the interpreter joins) from ending.
 """
 
+import contextlib
 import sys
 import threading
 import time
@@ -71,7 +72,7 @@ class PinnedStager(AsyncStager):
         self._stream = None
         # Reentrant: a signal handler may call close() in the thread that is in stage().
         self._lock = threading.RLock()
-        self._staging = False  # stage() is running (in the thread that holds the lock)
+        self._staging = False  # stage() or load_template() runs (in the thread holding the lock)
         self._closed = False
         self._freed = False
         # The future of the staging under way, until it is complete (then dropped: it holds
@@ -82,7 +83,6 @@ class PinnedStager(AsyncStager):
         # (device, event) of the last staging's copies while they may not be done
         self._copies = None
         self._owner = None  # the thread that called stage(): the training's
-        self._preparing = None  # the future of the last prepare()
         _STAGERS.add(self)
 
     @property
@@ -93,30 +93,34 @@ class PinnedStager(AsyncStager):
     def stage(self, state_dict):
         """The state dict with its tensors copied into the stager's buffers (see the class);
         a future of it with ``async_staging=True``."""
-        # Autograd off, as in DCP's own stagers: a copy of a parameter would otherwise make
-        # the kept buffer a node of its graph (a longer chain at each checkpoint).
+        with self._call("stage"):
+            pending = self._pending
+            if pending is not None and not pending.done():
+                raise RuntimeError(
+                    "CheckpointStager.stage() called while the previous staging is not "
+                    "complete; wait for its staging_completion first"
+                )
+            self._owner = threading.current_thread()
+            return self._stage(state_dict)
+
+    @contextlib.contextmanager
+    def _call(self, method):
+        """The lock and autograd off (as in DCP's stagers: a copy of a parameter would make the
+        kept buffer a node of its graph) for `method`, which makes buffers; a close() from a
+        signal handler in it leaves the freeing to its end, however it ends."""
         with self._lock, torch.no_grad():
-            # _staging before the checks: a close() from a signal handler between them then
-            # leaves the freeing to this stage(), whichever way it ends.
-            self._staging = True
+            self._staging = True  # before the check: a close() right after it is then seen
             try:
                 if self._closed:
-                    raise RuntimeError("CheckpointStager.stage() called after close()")
-                pending = self._pending
-                if pending is not None and not pending.done():
-                    raise RuntimeError(
-                        "CheckpointStager.stage() called while the previous staging is not "
-                        "complete; wait for its staging_completion first"
-                    )
-                self._owner = threading.current_thread()
-                return self._stage(state_dict)
+                    raise RuntimeError(f"CheckpointStager.{method}() called after close()")
+                yield
             finally:
                 self._staging = False
-                if self._closed:  # close() ran inside this staging (a signal handler)
+                if self._closed:  # close() ran inside this call (a signal handler)
                     self.close()
 
     def _stage(self, state_dict):
-        self._wait_prepared()
+        self._buffers.wait_prepared()
         self._buffers.wait_released(0.01)
         walk = Walk(self, self._buffers)
         staged = walk.value(state_dict, ())
@@ -208,30 +212,11 @@ class PinnedStager(AsyncStager):
         with self._lock, torch.no_grad():
             if self._closed:
                 raise RuntimeError("CheckpointStager.prepare() called after close()")
-            if self._preparing is not None and not self._preparing.done():
+            if self._buffers.preparing():
                 raise RuntimeError("CheckpointStager.prepare() called while one is under way")
             specs = Specs()
             Walk(self, specs, mode="prepare").value(state_dict, ())
-            future = Future()
-            thread = threading.Thread(
-                target=self._allocate, args=(future, specs.specs), name="CheckpointStager.prepare"
-            )
-            thread.daemon = True
-            self._preparing = future
-            thread.start()
-            return future
-
-    def _allocate(self, future, specs):
-        try:
-            made = self._buffers.allocate(specs, stop=lambda: self._closed)
-        except BaseException as exc:  # pylint: disable=broad-exception-caught
-            _complete(future, exception=exc)
-        else:
-            _complete(future, result=made)
-
-    def _wait_prepared(self):
-        if self._preparing is not None:
-            wait([self._preparing])
+            return self._buffers.prepare(specs.specs, stop=lambda: self._closed)
 
     def load_template(self, state_dict):
         """`state_dict` (as for ``dcp.async_save``) with each tensor that the stager would copy
@@ -241,10 +226,8 @@ class PinnedStager(AsyncStager):
         optimizer state dict as ``get_optimizer_state_dict`` does, its states in FP32 (int16)
         buffers; an optimizer without states gets them as that function makes them (a step
         with zero gradients and learning rates)."""
-        with self._lock, torch.no_grad():
-            if self._closed:
-                raise RuntimeError("CheckpointStager.load_template() called after close()")
-            self._wait_prepared()
+        with self._call("load_template"):
+            self._buffers.wait_prepared()
             pending = self._pending
             if pending is not None and not pending.done():
                 raise RuntimeError(
@@ -352,7 +335,7 @@ class PinnedStager(AsyncStager):
             self._closed = True
             if self._freed or self._staging:
                 return
-        self._wait_prepared()  # a prepare() stops at its next buffer
+        self._buffers.wait_prepared()  # a prepare() stops at its next buffer
         self.synchronize_staging()
         self._copies = None
         self._buffers.clear()
