@@ -247,7 +247,7 @@ def main():
     parser.add_argument(
         "--variants", nargs="+", default=["standard", "parallel"], choices=["standard", "parallel"]
     )
-    parser.add_argument("--threads", type=int, default=8, help="ParallelFileSystemReader's")
+    parser.add_argument("--threads", type=int, default=16, help="ParallelFileSystemReader's")
     parser.add_argument("--cold", action="store_true", help="also resume with the files evicted")
     parser.add_argument(
         "--threads-sweep", nargs="+", type=int, help="only parallel, warm, per thread count"

@@ -37,10 +37,10 @@ class ParallelFileSystemReader(FileSystemReader):
 
     Arguments:
         path (str or os.PathLike): the checkpoint's directory, as for ``FileSystemReader``.
-        thread_count (int, optional): threads that read (default 8).
+        thread_count (int, optional): threads that read (default 16).
     """
 
-    def __init__(self, path, *, thread_count=8):
+    def __init__(self, path, *, thread_count=16):
         if not isinstance(thread_count, int) or thread_count < 1:
             raise ValueError(f"thread_count must be a positive int, got {thread_count!r}")
         if sys.byteorder != "little":
