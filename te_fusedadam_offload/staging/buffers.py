@@ -25,13 +25,16 @@ class BufferCache:
         self._entries = {}
         self._preparing = None  # the future of the last prepare()
 
-    def view(self, path, shape, dtype, *, track=True):
+    def view(self, path, shape, dtype, *, track=True, source=None):
         """A view of the buffer of `path` for this staging, and whether the last buffer was
         still held (an upload not done), so that this one is new. With track=False, the next
-        staging reuses the buffer even while that view is alive (a load template's)."""
+        staging reuses the buffer even while that view is alive (a load template's). A buffer
+        that is the memory of `source` (a tensor that a load kept as the template gave it) is
+        not reused: the copy would be the live tensor itself."""
         buffer, last = self._entries.get(path, (None, None))
         held = last is not None and last() is not None
-        if held or buffer is None or buffer.shape != shape or buffer.dtype != dtype:
+        mine = buffer is not None and source is not None and _shares(buffer, source)
+        if held or mine or buffer is None or buffer.shape != shape or buffer.dtype != dtype:
             buffer = torch.empty(shape, dtype=dtype, pin_memory=self.pin_memory)
         view = buffer.view(buffer.shape)
         self._entries[path] = (buffer, weakref.ref(view) if track else None)
@@ -40,12 +43,16 @@ class BufferCache:
     def prepare(self, specs, stop):
         """allocate(specs, stop) in a daemon thread; a future of the bytes made."""
         future = Future()
-        thread = threading.Thread(target=self._prepare, args=(future, specs, stop), daemon=True)
+        thread = threading.Thread(
+            target=self._prepare, args=(future, specs, stop), name="CheckpointStager.prepare"
+        )
+        thread.daemon = True
         self._preparing = future
         try:
             thread.start()
         except BaseException:
-            self._preparing = None  # nothing would complete it
+            if thread.ident is None:  # it never ran: nothing would complete the future
+                self._preparing = None
             raise
         return future
 
@@ -109,3 +116,12 @@ class BufferCache:
     def clear(self):
         """Drop every buffer (one that an upload still holds is freed when it lets go)."""
         self._entries.clear()
+
+
+def _shares(buffer, tensor):
+    """Whether `tensor` (a DTensor's local tensor too) lies in the memory of `buffer`."""
+    tensor = getattr(tensor, "_local_tensor", tensor)
+    if tensor.device.type != "cpu":
+        return False
+    start = buffer.untyped_storage().data_ptr()
+    return start <= tensor.untyped_storage().data_ptr() < start + buffer.untyped_storage().nbytes()

@@ -17,8 +17,6 @@ import weakref
 import torch
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
 
-# DCP's own step that makes an optimizer's states (get/set_optimizer_state_dict call it)
-from torch.distributed.checkpoint.state_dict import _init_optim_state
 from torch.distributed.fsdp import FullyShardedDataParallel
 from torch.distributed.tensor import DTensor
 
@@ -142,7 +140,7 @@ class _OptimizerSnapshot(Extension):
                     "CheckpointStager.optimizer_snapshot(): the optimizer has no states yet "
                     "(before its first step)"
                 )
-            _init_optim_state(optimizer)  # as get_optimizer_state_dict() does
+            _make_states(optimizer)
         if walk.mode == "stage" and optimizer not in stager._hooks:
             hook = functools.partial(_wait_for_copies, weakref.ref(stager))
             stager._hooks[optimizer] = optimizer.register_step_pre_hook(hook)
@@ -221,6 +219,21 @@ def _copy_state(optimizer, param, key, path, buffer, bf16, walk, stream):
 
 def _widen(buffer, dtype):
     widening.widen(buffer, dtype)  # looked up at the call: a test may replace it
+
+
+def _make_states(optimizer):
+    """The optimizer's states, made as get_optimizer_state_dict() makes them (DCP's own
+    _init_optim_state: a step with zero gradients and learning rates)."""
+    # pylint: disable-next=import-outside-toplevel
+    from torch.distributed.checkpoint.state_dict import _init_optim_state
+
+    _init_optim_state(optimizer)
+    if not optimizer.state:  # it does nothing where a parameter has a gradient already
+        raise RuntimeError(
+            "CheckpointStager.load_template(): the optimizer has no states, and DCP's "
+            "initialization made none (a parameter has a .grad: call "
+            "optimizer.zero_grad(set_to_none=True) first)"
+        )
 
 
 def _wait_for_copies(stager_ref, optimizer, args, kwargs):  # pylint: disable=unused-argument

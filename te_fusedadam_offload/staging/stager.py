@@ -106,8 +106,8 @@ class PinnedStager(AsyncStager):
     @contextlib.contextmanager
     def _call(self, method):
         """The lock and autograd off (as in DCP's stagers: a copy of a parameter would make the
-        kept buffer a node of its graph) for `method`, which makes buffers; a close() from a
-        signal handler in it leaves the freeing to its end, however it ends."""
+        kept buffer a node of its graph) for `method`, which makes buffers or their thread; a
+        close() from a signal handler in it leaves the freeing to its end, however it ends."""
         with self._lock, torch.no_grad():
             self._staging = True  # before the check: a close() right after it is then seen
             try:
@@ -209,9 +209,7 @@ class PinnedStager(AsyncStager):
         structure, shapes and dtypes are read, at once (a value that ``stage()`` would refuse
         raises here). ``stage()`` and :meth:`load_template` wait for a ``prepare()`` under
         way; :meth:`close` stops it. Returns a future of the bytes it allocated."""
-        with self._lock, torch.no_grad():
-            if self._closed:
-                raise RuntimeError("CheckpointStager.prepare() called after close()")
+        with self._call("prepare"):
             if self._buffers.preparing():
                 raise RuntimeError("CheckpointStager.prepare() called while one is under way")
             specs = Specs()
@@ -233,10 +231,9 @@ class PinnedStager(AsyncStager):
                 raise RuntimeError(
                     "CheckpointStager.load_template() called while a staging is not complete"
                 )
-            walk = Walk(self, self._buffers, mode="template")
-            template = walk.value(state_dict, ())
-            self._buffers.keep_only(walk.paths)
-            return template
+            # No keep_only(): a template of a part (the model, then the optimizer) keeps the
+            # prepared buffers of the rest; the next stage() frees those it does not take.
+            return Walk(self, self._buffers, mode="template").value(state_dict, ())
 
     # What touches the device, in one place (the CPU tests stand in for it).
 

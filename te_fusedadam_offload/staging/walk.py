@@ -68,7 +68,7 @@ class Specs:
     def __init__(self):
         self.specs = []  # (path, shape, dtype)
 
-    def view(self, path, shape, dtype, *, track=True):  # pylint: disable=unused-argument
+    def view(self, path, shape, dtype, **_):
         """A placeholder for the buffer of `path`; never held."""
         self.specs.append((path, shape, dtype))
         return torch.empty((), dtype=dtype).expand(shape), False
@@ -138,7 +138,7 @@ class Walk:
 
     def _copy(self, tensor, path):
         device = self.stager._copy_device(tensor, path)
-        view = self.buffer(path, tensor.shape, tensor.dtype)
+        view = self.buffer(path, tensor.shape, tensor.dtype, source=tensor)
         if device is None:
             self.cpu.append((view, tensor))
         else:
@@ -146,9 +146,12 @@ class Walk:
             self.gpu.append((view, tensor))
         return view
 
-    def buffer(self, path, shape, dtype):
-        """A view of the stager's buffer of `path` for this staging."""
-        view, held = self.buffers.view(path, shape, dtype, track=self.mode == "stage")
+    def buffer(self, path, shape, dtype, source=None):
+        """A view of the stager's buffer of `path` for this staging (not the memory of
+        `source`, the tensor copied into it)."""
+        view, held = self.buffers.view(
+            path, shape, dtype, track=self.mode == "stage", source=source
+        )
         self.paths.append(path)
         if held:
             self.held.append(path)
