@@ -202,7 +202,8 @@ class PinnedStager(AsyncStager):
 
     def prepare(self, state_dict):
         """Make the buffers that staging `state_dict` will take, in a background thread, so
-        that the first checkpoint does not wait for pinned memory (about 2 GB/s).
+        that the first checkpoint does not wait for pinned memory (while CUDA pins it, the
+        other threads' CUDA calls wait: training loses about the time it takes).
 
         `state_dict` is what will be passed to ``dcp.async_save``, an
         :meth:`optimizer_snapshot` included (its optimizer must have taken a step); only its
@@ -220,7 +221,8 @@ class PinnedStager(AsyncStager):
         """`state_dict` (as for ``dcp.async_save``) with each tensor that the stager would copy
         replaced by its buffer, not filled: the template for ``dcp.load``, with no second copy
         in host memory, and then the buffers the next checkpoint reuses (it overwrites them:
-        use the template for that load only). An :meth:`optimizer_snapshot` in it gives the
+        use the template for that load only; every tensor of it must be loaded: a buffer
+        that is not holds what it held). An :meth:`optimizer_snapshot` in it gives the
         optimizer state dict as ``get_optimizer_state_dict`` does, its states in FP32 (int16)
         buffers; an optimizer without states gets them as that function makes them (a step
         with zero gradients and learning rates)."""
