@@ -56,6 +56,7 @@ new pinned buffers (overlapping_stagings counts them), whose cost this measures:
 One JSON line per checkpoint (rank 0): variant, offload, iteration ("short"/"long"), n (the
 checkpoint's index), overlap, write_delay_s, torch_threads (PyTorch's intra-op threads, on
 which te_snapshot's BF16 widening runs) and omp_num_threads (the variable that sets them),
+alloc_conf (PYTORCH_CUDA_ALLOC_CONF: pinned_use_cuda_host_register speeds up the pinning),
 iteration_s (the baseline's median; iteration_min_s and iteration_max_s its shortest and
 longest, the noise that a single iteration after the checkpoint carries), returned_s (until
 async_save returned), stall_s, and where the time went: export_optim_s, export_model_s,
@@ -467,6 +468,8 @@ def main():
         # PyTorch's intra-op threads, on which te_snapshot's BF16 widening runs
         "torch_threads": torch.get_num_threads(),
         "omp_num_threads": os.environ.get("OMP_NUM_THREADS", ""),
+        # PyTorch's pinned allocation (pinned_use_cuda_host_register): the first checkpoint's
+        "alloc_conf": os.environ.get("PYTORCH_CUDA_ALLOC_CONF", ""),
         "torch": torch.__version__,
         "te": transformer_engine.__version__,
     }

@@ -36,7 +36,7 @@ peak during the resume, VmHWM reset through /proc/self/clear_refs, above its res
 before: pinned pages included, the page cache not), gpu_peak_gib (above allocated before),
 bitwise (the optimizer states as the export gives them and the local parameter shards equal to
 the saved ones on every rank), fast_items and other_items (parallel: items read straight into
-the template, and the others), disk_GBps and cached_fraction (cold rows), the versions.
+the template, and the others), disk_GBps and cached_fraction (cold rows), alloc_conf (PYTORCH_CUDA_ALLOC_CONF), the versions.
 """
 
 import argparse
@@ -276,6 +276,8 @@ def main():
             "GB": round(sum(os.path.getsize(f) for f in _files(path)) / 1e9, 3),
             "gpu": torch.cuda.get_device_name(),
             "cpus": os.cpu_count(),
+            # PyTorch's pinned allocation (pinned_use_cuda_host_register) makes the template
+            "alloc_conf": os.environ.get("PYTORCH_CUDA_ALLOC_CONF", ""),
             "torch": torch.__version__,
             "te": transformer_engine.__version__,
         }
