@@ -45,7 +45,7 @@ class ParallelFileSystemReader(FileSystemReader):
     """
 
     def __init__(self, path, *, thread_count=16):
-        if not isinstance(thread_count, int) or thread_count < 1:
+        if isinstance(thread_count, bool) or not isinstance(thread_count, int) or thread_count < 1:
             raise ValueError(f"thread_count must be a positive int, got {thread_count!r}")
         super().__init__(path)
         self.thread_count = thread_count

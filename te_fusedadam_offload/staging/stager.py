@@ -231,7 +231,8 @@ class PinnedStager(AsyncStager):
             pending = self._pending
             if pending is not None and not pending.done():
                 raise RuntimeError(
-                    "CheckpointStager.load_template() called while a staging is not complete"
+                    "CheckpointStager.load_template() called while a staging is not complete; "
+                    "wait for its staging_completion first"
                 )
             # No keep_only(): a template of a part (the model, then the optimizer) keeps the
             # prepared buffers of the rest; the next stage() frees those it does not take.

@@ -1261,7 +1261,7 @@ def test_a_checkpoint_file_cut_while_it_is_read_fails_the_load(tmp_path, monkeyp
         )
 
 
-@pytest.mark.parametrize("count", [0, -1, "4", 2.0])
+@pytest.mark.parametrize("count", [0, -1, "4", 2.0, True])
 def test_parallel_reader_takes_a_positive_int_thread_count(tmp_path, count):
     with pytest.raises(ValueError, match="thread_count must be a positive int"):
         ParallelFileSystemReader(tmp_path, thread_count=count)
