@@ -34,7 +34,7 @@ class BufferCache:
         buffer, last = self._entries.get(path, (None, None))
         held = last is not None and last() is not None
         mine = buffer is not None and source is not None and _shares(buffer, source)
-        if held or mine or buffer is None or buffer.shape != shape or buffer.dtype != dtype:
+        if held or mine or not _fits(buffer, shape, dtype):
             buffer = torch.empty(shape, dtype=dtype, pin_memory=self.pin_memory)
         view = buffer.view(buffer.shape)
         self._entries[path] = (buffer, weakref.ref(view) if track else None)
@@ -82,7 +82,7 @@ class BufferCache:
             if stop():
                 return 0
             buffer, _ = self._entries.get(path, (None, None))
-            if buffer is None or buffer.shape != shape or buffer.dtype != dtype:
+            if not _fits(buffer, shape, dtype):
                 made[path] = (torch.empty(shape, dtype=dtype, pin_memory=self.pin_memory), None)
         self._entries.update(made)
         return sum(b.numel() * b.element_size() for b, _ in made.values())
@@ -116,6 +116,11 @@ class BufferCache:
     def clear(self):
         """Drop every buffer (one that an upload still holds is freed when it lets go)."""
         self._entries.clear()
+
+
+def _fits(buffer, shape, dtype):
+    """Whether `buffer` (None: none yet) is of `shape` and `dtype`."""
+    return buffer is not None and buffer.shape == shape and buffer.dtype == dtype
 
 
 def _shares(buffer, tensor):

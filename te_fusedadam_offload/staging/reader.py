@@ -118,10 +118,9 @@ class ParallelFileSystemReader(FileSystemReader):
             return target, None
         for dim, (offset, length) in enumerate(zip(item.storage_offsets, item.lengths)):
             stored = stored.narrow(dim, offset, length)
-        if (target.dtype, target.shape) != (
-            stored.dtype,
-            stored.shape,
-        ) or not stored.is_contiguous():
+        if target.dtype != stored.dtype or target.shape != stored.shape:
+            return target, None
+        if not stored.is_contiguous():  # a part of the stored tensor that is not one run
             return target, None
         begin = start + stored.storage_offset() * stored.element_size()
         if begin + target.nbytes > info.length:  # not within the item: let torch.load say why

@@ -94,12 +94,7 @@ class PinnedStager(AsyncStager):
         """The state dict with its tensors copied into the stager's buffers (see the class);
         a future of it with ``async_staging=True``."""
         with self._call("stage"):
-            pending = self._pending
-            if pending is not None and not pending.done():
-                raise RuntimeError(
-                    "CheckpointStager.stage() called while the previous staging is not "
-                    "complete; wait for its staging_completion first"
-                )
+            self._refuse_pending("stage() called while the previous staging is not complete")
             self._owner = threading.current_thread()
             return self._stage(state_dict)
 
@@ -118,6 +113,12 @@ class PinnedStager(AsyncStager):
                 self._staging = False
                 if self._closed:  # close() ran inside this call (a signal handler)
                     self.close()
+
+    def _refuse_pending(self, what):
+        """Raise `what` while the last staging is not complete (its copies write the buffers)."""
+        pending = self._pending
+        if pending is not None and not pending.done():
+            raise RuntimeError(f"CheckpointStager.{what}; wait for its staging_completion first")
 
     def _stage(self, state_dict):
         self._buffers.wait_prepared()
@@ -228,12 +229,7 @@ class PinnedStager(AsyncStager):
         with zero gradients and learning rates)."""
         with self._call("load_template"):
             self._buffers.wait_prepared()
-            pending = self._pending
-            if pending is not None and not pending.done():
-                raise RuntimeError(
-                    "CheckpointStager.load_template() called while a staging is not complete; "
-                    "wait for its staging_completion first"
-                )
+            self._refuse_pending("load_template() called while a staging is not complete")
             # No keep_only(): a template of a part (the model, then the optimizer) keeps the
             # prepared buffers of the rest; the next stage() frees those it does not take.
             return Walk(self, self._buffers, mode="template").value(state_dict, ())
