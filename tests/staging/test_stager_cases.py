@@ -40,23 +40,31 @@ from test_checkpoint_stager import SNAPSHOTS, _build, _step  # beside this file
 OFFLOAD = StateDictOptions(cpu_offload=True)
 
 
-def _flat(value, path=()):
-    """{path: leaf} of nested dicts, lists and tuples (keys as strings, DTensors as their
-    local tensors, tensors as CPU copies): the state dict at one moment."""
+def _leaves(value, path=()):
+    """(path, leaf) of nested dicts, lists and tuples."""
     if isinstance(value, dict):
         items = value.items()
     elif isinstance(value, (list, tuple)):
         items = enumerate(value)
     else:
-        if isinstance(value, DTensor):
-            value = value._local_tensor
-        if isinstance(value, torch.Tensor):
-            value = value.detach().to("cpu", copy=True).contiguous()
-        return {path: value}
-    out = {}
+        yield path, value
+        return
     for key, item in items:
-        out.update(_flat(item, (*path, str(key))))
-    return out
+        yield from _leaves(item, (*path, str(key)))
+
+
+def _flat(value):
+    """{path: leaf} of nested dicts, lists and tuples (keys as strings, DTensors as their
+    local tensors, tensors as CPU copies): the state dict at one moment."""
+    return {path: _cpu_copy(leaf) for path, leaf in _leaves(value)}
+
+
+def _cpu_copy(leaf):
+    if isinstance(leaf, DTensor):
+        leaf = leaf._local_tensor
+    if isinstance(leaf, torch.Tensor):
+        leaf = leaf.detach().to("cpu", copy=True).contiguous()
+    return leaf
 
 
 def _raw(path):
@@ -465,19 +473,6 @@ def _resume(path, config, stager=None):
     set_optimizer_state_dict(model, optimizer, template["optim"])
     torch.cuda.synchronize()
     return Resumed(model, optimizer, template, reader, torch.cuda.max_memory_allocated() - before)
-
-
-def _leaves(value, path=()):
-    """(path, leaf) of nested dicts, lists and tuples."""
-    if isinstance(value, dict):
-        items = value.items()
-    elif isinstance(value, (list, tuple)):
-        items = enumerate(value)
-    else:
-        yield path, value
-        return
-    for key, item in items:
-        yield from _leaves(item, (*path, str(key)))
 
 
 def _layouts(state):
