@@ -162,6 +162,16 @@ class Trainer:
         torch.cuda.synchronize()
         return waited
 
+    def until(self, future, before_step=None):
+        """Iterations until `future` is done on every rank: how many, and their seconds."""
+        count, seconds = 0, 0.0
+        while _max_over_ranks(not future.done()):
+            start = time.perf_counter()
+            self.iteration(before_step)
+            seconds += time.perf_counter() - start
+            count += 1
+        return count, seconds
+
     def baseline(self, count):
         """Seconds of `count` iterations (slowest rank): median, shortest, longest."""
         times = []
@@ -244,12 +254,7 @@ def checkpoint(variant, trainer, state_stager, group, path, args, iteration_s):
     row["wait_staging_s"] = trainer.iteration(before_step)
     row["total_s"] = time.perf_counter() - start
     if args.train_during_upload:  # until every rank's upload is done
-        row["after_iterations"], row["after_s"] = 0, 0.0
-        while _max_over_ranks(not upload.done()):
-            mark = time.perf_counter()
-            trainer.iteration(before_step)
-            row["after_s"] += time.perf_counter() - mark
-            row["after_iterations"] += 1
+        row["after_iterations"], row["after_s"] = trainer.until(upload, before_step)
         row["after_excess_s"] = row["after_s"] - row["after_iterations"] * iteration_s
     if not args.overlap:
         uploaded.wait()
@@ -292,12 +297,7 @@ def prepare(variant, trainer, stager, args):
     del state
     ended = []
     future.add_done_callback(lambda _: ended.append(time.perf_counter()))
-    iterations, spent = 0, 0.0
-    while _max_over_ranks(not future.done()):
-        mark = time.perf_counter()
-        trainer.iteration()
-        spent += time.perf_counter() - mark
-        iterations += 1
+    iterations, spent = trainer.until(future)
     made = future.result()
     # Its callback runs just after the future is done: a moment later at most.
     prepare_s = (ended[0] if ended else time.perf_counter()) - start
