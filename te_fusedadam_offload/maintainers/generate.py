@@ -146,7 +146,9 @@ def _write_cover(pr_dir, series, number, pin):
         f"Made against {main_pin['branch']} of {main_pin['repository']} at "
         f"{main_pin['commit']}\n({main_pin['date']}, {main_pin['version']})"
     )
-    if number > 1:
+    if pr.get("independent"):  # a carried upstream pull request: it needs none before it
+        base_line += ",\nalone: it depends on none of the pull requests before it in this stack"
+    elif number > 1:
         before = ", ".join(
             f'"{p["subject"]}" ({pr_dir_name(n, p)})'
             for n, p in enumerate(series["pr"][: number - 1], 1)
