@@ -419,7 +419,7 @@ def test_prepared_buffers_are_the_first_checkpoints_and_each_checkpoint_is_whole
     checkpoint takes (the same addresses, no overlapping staging), and the second reuses them;
     each checkpoint, optimizer.step() right after its async_save, read back raw and through
     the usual templates with DCP's FileSystemReader, is the state at async_save."""
-    model, optimizer = _build(load_state_dict_in_place=True, **SNAPSHOTS[config])
+    model, optimizer = _build(**SNAPSHOTS[config])
     _step(model, optimizer, 0)
     stager = CheckpointStager(async_staging=True)
     made = stager.prepare(
@@ -450,7 +450,7 @@ def _resume(path, config, stager=None):
     `stager`'s load template with ParallelFileSystemReader, or without a stager the standard
     way (templates of get_*_state_dict with cpu_offload, DCP's FileSystemReader). `peak`: the
     GPU memory that the resume added at its peak."""
-    model, optimizer = _build(seed=99, load_state_dict_in_place=True, **SNAPSHOTS[config])
+    model, optimizer = _build(seed=99, **SNAPSHOTS[config])
     torch.cuda.synchronize()
     torch.cuda.reset_peak_memory_stats()
     before = torch.cuda.memory_allocated()
@@ -512,7 +512,7 @@ def test_a_resume_into_the_stagers_buffers_is_the_standard_resume(ckpt_root, con
     bitwise the same in both, with the same layouts, and stay so after a step; the resume into
     the stager takes no more GPU memory. The next checkpoint, the template still alive, reuses
     its buffers and is whole."""
-    model, optimizer = _build(load_state_dict_in_place=True, **SNAPSHOTS[config])
+    model, optimizer = _build(**SNAPSHOTS[config])
     _step(model, optimizer, 0)
     _step(model, optimizer, 1)
     path = os.path.join(ckpt_root, writer)
