@@ -51,10 +51,12 @@ setup(
     # The package and its subpackages.
     packages=find_packages(include=[MODULE, MODULE + ".*"]),
     install_requires=['tomli>=1.1; python_version < "3.11"'],
-    # The tool needs no torch; the stager (and gpu_check) do. No version bound, so that pip
-    # never replaces the torch of an environment (a container's CUDA build, say): the README
-    # says which releases were tested.
-    extras_require={"staging": ["torch"]},
+    # The tool needs no torch; the stager (and gpu_check) do, and numpy with it: DCP's save
+    # and load exchange their plans with gather_object, which torch unpickles through numpy
+    # ("Numpy is not available" at the first checkpoint without it). No version bounds, so
+    # that pip never replaces the torch of an environment (a container's CUDA build, say) or
+    # its numpy: docs/tool.rst says which releases were tested.
+    extras_require={"staging": ["torch", "numpy"]},
     entry_points={"console_scripts": [f"te-fusedadam-offload={MODULE}.__main__:main"]},
     cmdclass={"build_py": BuildWithSeries},
 )

@@ -33,7 +33,8 @@ def test_wheel_carries_the_series(wheel):
     )
     pinned = json.loads(zipfile.ZipFile(wheel).read("te_fusedadam_offload/_data/upstream.json"))
     assert pinned == upstream.load_pin()
-    # torch: only for the stager, as an extra with no version bound (never replaced by pip).
+    # torch and numpy (DCP's gather_object unpickles through it): only for the stager, as an
+    # extra with no version bound (never replaced by pip).
     metadata = (
         zipfile.ZipFile(wheel)
         .read(next(n for n in names if n.endswith(".dist-info/METADATA")))
@@ -41,7 +42,10 @@ def test_wheel_carries_the_series(wheel):
     )
     assert "Provides-Extra: staging" in metadata
     requires = [line for line in metadata.splitlines() if line.startswith("Requires-Dist:")]
-    assert [r for r in requires if "torch" in r] == ['Requires-Dist: torch; extra == "staging"']
+    assert [r for r in requires if "staging" in r] == [
+        'Requires-Dist: torch; extra == "staging"',
+        'Requires-Dist: numpy; extra == "staging"',
+    ]
 
 
 @pytest.mark.skipif(sys.prefix == sys.base_prefix, reason="the tool's tests run outside a venv")

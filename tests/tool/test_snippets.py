@@ -1,11 +1,11 @@
 """The snippets of README.md and docs/ run as written. Each code block runs here, on CPU, or
 says why not in a comment just above it (`<!-- not run...: why -->` in Markdown, `.. not run...:
-why` in reST). Python blocks run in a process of their own, with `model`, `optimizer` and `path`
-(the user's) given, torch.optim.Adam standing in for TE's FusedAdam, in a one-process gloo
-group; every Python block, run or not, compiles and uses no other name it does not define or
-import. Shell blocks run in order, each with `bash -e`, in a new venv holding the pinned TE
-release, as a new user would run them. The upstream page (docs/features/) is not this
-repository's to annotate: its blocks need TE and a GPU, and are only compiled."""
+why` in reST). Python blocks run in a process of their own, with `model`, `optimizer`,
+`train_step()` and `path` (the user's) given, torch.optim.Adam standing in for TE's FusedAdam,
+in a one-process gloo group; every Python block, run or not, compiles and uses no other name
+it does not define or import. Shell blocks run in order, each with `bash -e`, in a new venv
+holding the pinned TE release, as a new user would run them. The upstream page (docs/features/)
+is not this repository's to annotate: its blocks need TE and a GPU, and are only compiled."""
 
 import builtins
 import os
@@ -22,7 +22,7 @@ from support import FUSED_ADAM, REPO, purelib, release_wheel
 from te_fusedadam_offload import upstream
 
 UPSTREAM_PAGE = REPO / "docs" / "features"
-GIVEN = {"model", "optimizer", "path"}  # the user's objects that a snippet may use as its own
+GIVEN = {"model", "optimizer", "train_step", "path"}  # the user's, that a snippet may use
 
 
 @dataclass
@@ -131,7 +131,8 @@ def test_python_block_compiles_and_imports_what_it_uses(block):
 
 
 # What a snippet that uses the user's objects gets: a CPU model, torch.optim.Adam standing in
-# for TE's FusedAdam (its states exist: one step), a new directory, a one-process gloo group.
+# for TE's FusedAdam (its states exist: one step), a training step that changes both, a new
+# directory, a one-process gloo group.
 PRELUDE = """
 import runpy, sys, tempfile
 import torch
@@ -141,11 +142,17 @@ dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
 torch.manual_seed(0)
 model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 2))
 optimizer = torch.optim.Adam(model.parameters(), lr=1e-3)
-model(torch.randn(4, 8)).sum().backward()
-optimizer.step()
+
+def train_step():
+    optimizer.zero_grad()
+    model(torch.randn(4, 8)).sum().backward()
+    optimizer.step()
+
+train_step()
 path = tempfile.mkdtemp(prefix="snippet-")
 where, code = sys.argv[1], open(sys.argv[2], encoding="utf-8").read()
-exec(compile(code, where, "exec"), {"model": model, "optimizer": optimizer, "path": path})
+given = {"model": model, "optimizer": optimizer, "train_step": train_step, "path": path}
+exec(compile(code, where, "exec"), given)
 dist.destroy_process_group()
 """
 
@@ -167,6 +174,24 @@ def test_python_block_runs(block, tmp_path):
         check=False,
     )
     assert result.returncode == 0, f"{block.where}:\n{result.stderr}"
+
+
+def test_the_async_checkpoint_recipe_is_run():
+    """docs/checkpointing.rst's recipe runs here as one block (test_python_block_runs): its
+    checkpoints through the stager, the waits on what async_save returned (an AsyncSaveResponse
+    with async_staging=True: a wait on anything else raises there), the resume into the
+    stager's template through ParallelFileSystemReader, and training on."""
+    recipes = [b for b in BLOCKS if "async_stager=stager" in b.code and b.not_run is None]
+    assert [b.where.split(":")[0] for b in recipes] == ["docs/checkpointing.rst"]
+    code = recipes[0].code
+    for needed in (
+        "async_staging=True",
+        "load_template(",
+        "ParallelFileSystemReader(",
+        "train_step()",
+    ):
+        assert needed in code, needed
+    assert code.count(".result()") == code.count(".upload_completion.result()") > 0
 
 
 def test_shell_blocks_run_in_order_as_a_new_user_would(tmp_path):
