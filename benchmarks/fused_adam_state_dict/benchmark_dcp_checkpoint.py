@@ -3,7 +3,7 @@
 # See LICENSE for license information.
 
 """A checkpoint as users take it: FSDP2 + torch.distributed.checkpoint, default FusedAdam
-against FusedAdam(state_dict_cpu_offload=True, load_state_dict_in_place=True).
+against FusedAdam(state_dict_cpu_offload=True).
 
   torchrun --nproc_per_node=2 benchmark_dcp_checkpoint.py --local-log2 29 --out dcp.jsonl
 
@@ -24,7 +24,7 @@ step (rank 0); plot_results.py draws them (dcp_checkpoint.png).
 
 --oom-demo caps this process's GPU memory (torch.cuda.set_per_process_memory_fraction) at
 the training peak plus --margin-gib, so that training fits: then the default export and load
-run out of memory, and with both options the same optimizer saves and resumes.
+run out of memory, and with the option the same optimizer saves and resumes.
 """
 
 import argparse
@@ -97,7 +97,6 @@ def _build(args, offload):
         exp_avg_dtype=torch.bfloat16,
         exp_avg_sq_dtype=torch.bfloat16,
         state_dict_cpu_offload=offload,
-        load_state_dict_in_place=offload,
     )
     return model, optimizer, width
 
@@ -301,7 +300,6 @@ def oom_demo(args, base):
         _train(model, optimizer, width, 1)  # move on, then resume the checkpoint
         for load_offload in (False, True):
             optimizer.state_dict_cpu_offload = load_offload
-            optimizer.load_state_dict_in_place = load_offload
             try:
                 _resume(model, optimizer, path, {})
                 same = _equal_on_all_ranks(saved, _local_states(optimizer))

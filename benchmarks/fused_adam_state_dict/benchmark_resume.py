@@ -9,7 +9,7 @@ way against CheckpointStager's template read by ParallelFileSystemReader.
   torchrun --nproc_per_node=N benchmark_resume.py --threads-sweep 1 4 8 16 --out resume.jsonl
 
 Per rank: 2^local-log2 BF16 parameter elements (benchmark_dcp_checkpoint.py's FSDP2 model and
-FusedAdam(state_dict_cpu_offload=True, load_state_dict_in_place=True), FP32 master weights,
+FusedAdam(state_dict_cpu_offload=True), FP32 master weights,
 BF16 moments). It trains --steps steps, saves a checkpoint under --ckpt-dir as users do (dcp.save
 of get_model_state_dict and get_optimizer_state_dict, cpu_offload=True), then --repeats times
 resumes it per variant into a new model and optimizer (no step: the template makes the states):

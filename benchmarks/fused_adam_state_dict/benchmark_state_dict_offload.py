@@ -12,9 +12,8 @@ Modes, each over the same optimizer state (BF16 params, FP32 master weights, mom
                    get_optimizer_state_dict(cpu_offload=True) does today.
   convert_one      the earlier proposal: convert one state on GPU, move it to CPU, free it.
   offload          FusedAdam(state_dict_cpu_offload=True).
-  load_default     load_state_dict() of the CPU export, as upstream, into the optimizer
-                   (which holds state, as when resuming).
-  load_in_place    the same with load_state_dict_in_place=True, in the same process.
+  load_default     load_state_dict() of the CPU export into the optimizer (which holds
+                   state, as when resuming).
 For exports, the GPU peak is above the memory allocated before; for loads, above the memory
 allocated after (the loaded state). GB/s: bytes of the exported states per second.
 
@@ -39,7 +38,7 @@ import torch
 import transformer_engine
 import transformer_engine.pytorch as te
 
-MODES = ("default", "default_then_cpu", "convert_one", "offload", "load_default", "load_in_place")
+MODES = ("default", "default_then_cpu", "convert_one", "offload", "load_default")
 MASTER = {"fp32": torch.float32, "fp16": torch.float16}
 MOMENTS = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp8": torch.uint8, "fp32": torch.float32}
 
@@ -174,14 +173,12 @@ def load(opt, sd):
 def run_mode(opt, mode, cpu_sd=None):
     """Export (or load `cpu_sd`) once in `mode`; return the measurements."""
     opt.state_dict_cpu_offload = mode == "offload"
-    opt.load_state_dict_in_place = mode == "load_in_place"
     exports = {
         "default": opt.state_dict,
         "default_then_cpu": lambda: to_cpu(opt.state_dict()),
         "convert_one": lambda: export_convert_one(opt),
         "offload": opt.state_dict,
         "load_default": lambda: load(opt, cpu_sd),
-        "load_in_place": lambda: load(opt, cpu_sd),
     }
     gc.collect()
     torch.cuda.synchronize()
@@ -204,7 +201,7 @@ def run_mode(opt, mode, cpu_sd=None):
     )
     del sd
     gc.collect()
-    opt.state_dict_cpu_offload = opt.load_state_dict_in_place = False
+    opt.state_dict_cpu_offload = False
     return {
         "gpu_peak_bytes": gpu_peak,
         "gpu_peak_gib": round(gpu_peak / 2**30, 4),
@@ -301,9 +298,9 @@ def main():
 
     # Side by side: offload vs today's path, per size.
     for row in rows:
-        if row["mode"] not in ("offload", "load_in_place"):
+        if row["mode"] != "offload":
             continue
-        today = "default_then_cpu" if row["mode"] == "offload" else "load_default"
+        today = "default_then_cpu"
         base = [
             r
             for r in rows

@@ -11,14 +11,9 @@
 # With STACK_PREFIX=N, only the first N pull requests of the stack are applied to the installed
 # TE (te-fusedadam-offload apply --installed --upto N; a later run without it applies the whole
 # stack), and TE_PATH should hold TE's test files as those pull requests leave them.
-#   stages: single  dist  bench  bench_omp1  export  designs  designs_omp1  load  load_memory
-#           threads  nightly  dcp  dcp_oom  stall  stager
-# (designs, designs_omp1: the export's design table, DESIGNS_ARGS its arguments, e.g.
-# '--moments fp8 --shapes model_mix'; load: the load grid, BF16/FP16/FP8 x 16 and one intra-op
-# thread, the default load beside the bounded one; load_memory: the GPU memory of the default
-# load beside the in-place one into states of one 2^30-element parameter, FP8 moments, FP16
-# master weights, BF16 moments; threads: several processes exporting at once on one GPU per
-# NVTE_FUSED_ADAM_STATE_DICT_THREADS, THREADS_ARGS its arguments)
+#   stages: single  dist  bench  bench_omp1  export  load  nightly  dcp  dcp_oom  stall  stager
+# (load: the load grid, BF16/FP16/FP8 x 16 and one intra-op thread, TE's load of the CPU
+# export)
 # (stall: the checkpoint stall benchmark on all GPUs, STALL_ARGS its arguments; stager: the GPU
 # tests of te_fusedadam_offload.staging on all GPUs)
 # The test files are TE's, as the series changes them, from TE_PATH (default te-main, the
@@ -86,31 +81,18 @@ for stage in "$@"; do
             for omp in "" 1; do
                 run "export_$m${omp:+_omp$omp}" env ${omp:+OMP_NUM_THREADS=$omp} timeout 300 \
                     python3 $BENCH --moments $m --total-log2 30 --largest-log2 24 \
-                    --modes default_then_cpu offload load_in_place --csv "$LOG/export.csv"
+                    --modes default_then_cpu offload --csv "$LOG/export.csv"
             done
         done
         grep -h '^{' "$LOG"/export_*.log >"$LOG/export.jsonl" ;;
-    designs|designs_omp1) omp=${stage#designs_omp}; [ "$stage" = designs ] && omp=
-        run "$stage" env ${omp:+OMP_NUM_THREADS=$omp} timeout ${DESIGNS_TIMEOUT:-900} \
-        python3 benchmarks/fused_adam_state_dict/benchmark_export_designs.py ${DESIGNS_ARGS:-} \
-        --out "$LOG/designs.jsonl" ;;
     load) for m in bf16 fp16 fp8; do
             for omp in "" 1; do
                 run "load_$m${omp:+_omp$omp}" env ${omp:+OMP_NUM_THREADS=$omp} timeout 300 \
                     python3 $BENCH --moments $m --total-log2 30 --largest-log2 24 \
-                    --modes load_default load_in_place
+                    --modes load_default
             done
         done
         grep -h '^{"te' "$LOG"/load_*.log >"$LOG/load.jsonl" ;;
-    load_memory) for config in "--moments fp8" "--moments bf16 --master fp16" "--moments bf16"; do
-            name=load_memory_$(echo "$config" | tr -d ' -')
-            run "$name" timeout 300 python3 $BENCH $config --total-log2 30 --largest-log2 0 \
-                --square --modes load_default load_in_place --csv "$LOG/load_memory.csv"
-        done
-        grep -h '^{"te' "$LOG"/load_memory_*.log >"$LOG/load_memory.jsonl" ;;
-    threads) run threads timeout ${THREADS_TIMEOUT:-600} python3 \
-        benchmarks/fused_adam_state_dict/benchmark_state_dict_threads.py ${THREADS_ARGS:-} \
-        --out "$LOG/threads.jsonl" ;;
     stall) run stall timeout ${STALL_TIMEOUT:-900} python3 -m torch.distributed.run --standalone \
         --nproc_per_node=$NGPUS benchmarks/fused_adam_state_dict/benchmark_checkpoint_stall.py \
         --out "$LOG/stall.jsonl" ${STALL_ARGS:-} ;;
