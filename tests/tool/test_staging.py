@@ -1244,21 +1244,47 @@ def test_a_checkpoint_file_cut_while_it_is_read_fails_the_load(tmp_path, monkeyp
     not leave the rest of the template as it was."""
     dcp.save({"w": torch.randn(64, 64), "epoch": 3}, checkpoint_id=tmp_path, no_dist=True)
     (data,) = tmp_path.glob("*.distcp")
-    direct = ParallelFileSystemReader._direct
+    size = data.stat().st_size
+    read = reader_module._read
 
-    def then_cut(self, *args):
-        target, found = direct(self, *args)
-        if found is not None:  # the item of "w", the last in the file
-            os.truncate(data, data.stat().st_size // 2)
-        return target, found
+    def cut_first(*args):  # the reads' first: "w" (the last item in the file) is planned
+        if data.stat().st_size == size:
+            os.truncate(data, size // 2)
+        return read(*args)
 
-    monkeypatch.setattr(ParallelFileSystemReader, "_direct", then_cut)
+    monkeypatch.setattr(reader_module, "_read", cut_first)
     with pytest.raises(dcp.CheckpointException, match="EOFError"):
         _read(
             tmp_path,
             {"w": torch.full((64, 64), -1.0), "epoch": 0},
             ParallelFileSystemReader(tmp_path),
         )
+
+
+def test_a_checkpoint_file_renamed_over_after_its_header_is_checked_is_not_read_by_path(
+    tmp_path, monkeypatch
+):
+    """Another checkpoint written to the same path (its data file renamed over this one) once
+    the reader has checked the header and planned its reads, before it reads: the reads go to
+    the file whose header was checked (one open per file per load), never to the new file at
+    the old offsets, and the load refuses, saying that the file was replaced."""
+    old = {"w": torch.arange(4096.0).view(64, 64)}
+    dcp.save(old, checkpoint_id=tmp_path / "old", no_dist=True)
+    dcp.save({"w": -old["w"]}, checkpoint_id=tmp_path / "new", no_dist=True)
+    (data,) = (tmp_path / "old").glob("*.distcp")
+    (new,) = (tmp_path / "new").glob("*.distcp")  # the same layout: the same offsets
+    read = reader_module._read
+
+    def renamed_over_first(*args):  # the reads' first: every header is checked
+        if new.exists():
+            os.replace(new, data)
+        return read(*args)
+
+    monkeypatch.setattr(reader_module, "_read", renamed_over_first)
+    template = {"w": torch.full((64, 64), -1.0)}
+    with pytest.raises(dcp.CheckpointException, match="replaced while it was read"):
+        _read(tmp_path / "old", template, ParallelFileSystemReader(tmp_path / "old"))
+    assert not new.exists() and torch.equal(template["w"], old["w"])
 
 
 @pytest.mark.parametrize("count", [0, -1, "4", 2.0, True])
