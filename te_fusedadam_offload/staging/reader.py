@@ -14,8 +14,13 @@ import contextlib
 import copy
 import ctypes
 import dataclasses
+import errno
+import io
 import os
+import pickletools
+import struct
 import sys
+import zipfile
 from concurrent.futures import ThreadPoolExecutor
 
 import torch
@@ -37,7 +42,13 @@ class ParallelFileSystemReader(FileSystemReader):
     its template tensor is a contiguous strided CPU tensor of the stored dtype, and the part
     read is contiguous in the stored tensor (a whole tensor, whole rows, a part of one row);
     other items are read by ``FileSystemReader.read_data``, with the template tensors already
-    resolved. Every template tensor of the direct reads is resolved before the reads start (a
+    resolved. Each item's header is checked as strictly as ``torch.load`` checks what it
+    reads: its zip record's local header (signature, name) where the central directory puts
+    it, the record within the item, its size that of the pickled storage, the tensor within
+    that; an item that fails a check goes through ``FileSystemReader.read_data`` too, which
+    raises where ``torch.load`` raises. An item with a compressed, encrypted or directory zip
+    record (torch.save writes none, and ``torch.load`` reads one unchecked, giving memory it
+    never wrote) is refused with a ValueError. Every template tensor of the direct reads is resolved before the reads start (a
     planner whose ``resolve_tensor`` makes temporaries holds them all at once).
     ``fast_items`` and ``other_items`` count the items of the last ``read_data`` each way.
 
@@ -125,28 +136,145 @@ class ParallelFileSystemReader(FileSystemReader):
             return None
         if target.device.type != "cpu" or not target.is_contiguous():
             return None
-        view = self._slice_file(file, info)
-        # torch.save's byte order record, which torch.load (and its meta load) would follow.
-        order = torch._C.PyTorchFileReader(view)  # pylint: disable=protected-access
-        if not order.has_record("byteorder") or order.get_record("byteorder") != _ORDER:
+        where = f"{file.name}, the item of {item.storage_index.fqn}"
+        found = _record(_Slice(file.fileno(), info.offset, info.length), where)
+        if found is None:
             return None
-        view.seek(0)
-        # The stored tensor's metadata and where its bytes start in the item (torch.save's
-        # archive): torch.load to the meta device reads no data.
-        stored = torch.load(view, map_location="meta", weights_only=True)
-        start = getattr(stored.untyped_storage(), "_checkpoint_offset", None)
-        if not _plain(stored) or start is None:
-            return None
+        stored, start = found
         for dim, (offset, length) in enumerate(zip(item.storage_offsets, item.lengths)):
             stored = stored.narrow(dim, offset, length)
         if target.dtype != stored.dtype or target.shape != stored.shape:
             return None
         if not stored.is_contiguous():  # a part of the stored tensor that is not one run
             return None
-        begin = start + stored.storage_offset() * stored.element_size()
-        if begin + target.nbytes > info.length:  # not within the item: let torch.load say why
-            return None
-        return info.offset + begin
+        return info.offset + start + stored.storage_offset() * stored.element_size()
+
+
+def _record(view, where):
+    """(the stored tensor on the meta device, where its storage's bytes start in the item)
+    for an item that is torch.save's archive of one plain tensor in this machine's byte order,
+    checked as strictly as torch.load checks what it reads: every zip record stored as
+    torch.save stores it (else a ValueError), the local header of the storage's record where
+    the central directory puts it, with its name, the record within the item, its size that of
+    the pickled storage and the tensor within it. None for anything else:
+    FileSystemReader.read_data loads it, raising where torch.load raises."""
+    archive = torch._C.PyTorchFileReader(view)  # pylint: disable=protected-access
+    found = _storage_record(view, archive, where)
+    # torch.save's byte order record, which torch.load (and its meta load) would follow.
+    if not (found and archive.has_record("byteorder")) or archive.get_record("byteorder") != _ORDER:
+        return None
+    start, size = found
+    numel = _pickled_numel(archive.get_record("data.pkl"))
+    view.seek(0)
+    # The stored tensor's metadata and where its storage starts in the item: torch.load to
+    # the meta device reads no data, and grows a storage that the tensor overruns (torch.load
+    # refuses such a tensor), hence the size pickled.
+    stored = torch.load(view, map_location="meta", weights_only=True)
+    if not _plain(stored) or numel is None or numel * stored.element_size() != size:
+        return None
+    if getattr(stored.untyped_storage(), "_checkpoint_offset", None) != start:
+        return None  # the storage of another record
+    if stored.storage_offset() * stored.element_size() + _span(stored) > size:
+        return None
+    return stored, start
+
+
+def _storage_record(view, archive, where):
+    """(where the bytes of the record data/0 start in the item, its size), None where its
+    local header is not where the central directory puts it (its signature and name), the
+    record is not within the item, or the central directory does not read the same with
+    zipfile. Raises a ValueError for a record that is compressed, encrypted or a directory:
+    torch.save writes none, and torch.load would read it unchecked, as memory it never wrote."""
+    try:
+        with zipfile.ZipFile(view) as archive_file:
+            infos = archive_file.infolist()
+    except (zipfile.BadZipFile, NotImplementedError, ValueError, OSError, struct.error):
+        return None
+    if len(infos) != len(archive.get_all_records()):
+        return None
+    for info in infos:
+        if (
+            info.compress_type != zipfile.ZIP_STORED
+            or info.compress_size != info.file_size
+            or info.flag_bits & _ENCRYPTED
+            or info.external_attr & _DIRECTORY
+            or info.is_dir()
+        ):
+            raise ValueError(
+                f"ParallelFileSystemReader: {where}: its zip record {info.filename} is "
+                "compressed, encrypted or a directory, which torch.save never writes and "
+                "torch.load would read unchecked (a damaged checkpoint?)"
+            )
+    at = archive.get_record_header_offset("data/0")
+    info = next((info for info in infos if info.header_offset == at), None)
+    if info is None or info.file_size != archive.get_record_size("data/0"):
+        return None
+    view.seek(at)
+    header = view.read(_LOCAL_HEADER.size)
+    if len(header) != _LOCAL_HEADER.size:
+        return None
+    signature, name_length, extra_length = _LOCAL_HEADER.unpack(header)
+    name = info.orig_filename.encode("utf-8" if info.flag_bits & _UTF8 else "cp437")
+    if signature != b"PK\x03\x04" or view.read(name_length) != name:
+        return None
+    start = at + _LOCAL_HEADER.size + name_length + extra_length
+    if start + info.file_size > view.length:
+        return None
+    return start, info.file_size
+
+
+_LOCAL_HEADER = struct.Struct("<4s22xHH")  # a zip local file header: its signature, lengths
+_ENCRYPTED, _UTF8, _DIRECTORY = 0x61, 0x800, 0x10  # zip flag bits, MS-DOS attribute
+_MEMO = {"PUT", "BINPUT", "LONG_BINPUT", "MEMOIZE", "FRAME"}  # leave the stack as it is
+_COUNTS = {"INT", "BININT", "BININT1", "BININT2", "LONG", "LONG1", "LONG4"}
+
+
+def _pickled_numel(pickled):
+    """The element count of the one storage that `pickled` (torch.save's data.pkl) loads:
+    the last item of its persistent id, pushed just before the id's TUPLE; None for a pickle
+    of another form."""
+    try:
+        ops = [(op.name, arg) for op, arg, _ in pickletools.genops(pickled) if op.name not in _MEMO]
+    except Exception:  # pylint: disable=broad-exception-caught
+        return None  # torch.load says why
+    ids = [i for i, (name, _) in enumerate(ops) if name == "BINPERSID"]
+    if len(ids) != 1 or ids[0] < 2:
+        return None
+    (count, numel), (pack, _) = ops[ids[0] - 2 : ids[0]]
+    if count not in _COUNTS or pack != "TUPLE" or isinstance(numel, bool):
+        return None
+    return numel
+
+
+class _Slice(io.RawIOBase):
+    """Bytes [offset, offset + length) of the open file `fd`, a file of their own for
+    torch.load and zipfile, read with os.preadv (no position shared with other readers)."""
+
+    def __init__(self, fd, offset, length):
+        super().__init__()
+        self.fd, self.offset, self.length, self.position = fd, offset, length, 0
+
+    def readable(self):
+        return True
+
+    def seekable(self):
+        return True
+
+    def seek(self, offset, whence=os.SEEK_SET):
+        origin = {os.SEEK_SET: 0, os.SEEK_CUR: self.position, os.SEEK_END: self.length}[whence]
+        if origin + offset < 0:
+            raise OSError(errno.EINVAL, "seek before the start of the item")
+        self.position = origin + offset
+        return self.position
+
+    def tell(self):
+        return self.position
+
+    def readinto(self, buffer):
+        view = memoryview(buffer).cast("B")[: max(0, self.length - self.position)]
+        count = os.preadv(self.fd, [view], self.offset + self.position) if len(view) else 0
+        self.position += count
+        return count
 
 
 class _OpenFile:
@@ -191,6 +319,14 @@ def _plain(tensor):
         and tensor.layout == torch.strided
         and not (tensor.is_conj() or tensor.is_neg() or tensor.is_quantized)
     )
+
+
+def _span(tensor):
+    """Bytes from the first element of `tensor` to the end of its last one."""
+    if not tensor.numel():
+        return 0
+    last = sum((size - 1) * stride for size, stride in zip(tensor.shape, tensor.stride()))
+    return (last + 1) * tensor.element_size()
 
 
 def _memory(tensor):

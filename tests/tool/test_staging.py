@@ -6,13 +6,16 @@ copies CUDA tensors into pinned ones."""
 import collections
 import copy
 import gc
+import io
 import os
 import pickle
+import struct
 import subprocess
 import sys
 import threading
 import time
 import weakref
+import zipfile
 
 import pytest
 from support import REPO
@@ -1285,6 +1288,67 @@ def test_a_checkpoint_file_renamed_over_after_its_header_is_checked_is_not_read_
     with pytest.raises(dcp.CheckpointException, match="replaced while it was read"):
         _read(tmp_path / "old", template, ParallelFileSystemReader(tmp_path / "old"))
     assert not new.exists() and torch.equal(template["w"], old["w"])
+
+
+def _loader(reader, template):
+    """A function that loads the checkpoint of `reader` into `template` (reset to -1 first)
+    and returns a copy of it, or the exception: dcp.load's steps in one process, planned once
+    (a damaged data file leaves the metadata and the plan as they are)."""
+    planner = DefaultLoadPlanner()
+    metadata = reader.read_metadata()
+    planner.set_up_planner(template, metadata, True)
+    reader.set_up_storage_reader(metadata, True)
+    plan = planner.finish_plan(planner.create_global_plan([planner.create_local_plan()])[0])
+
+    def load():
+        for tensor in template.values():
+            tensor.fill_(-1)
+        try:
+            reader.read_data(plan, planner).wait()
+        except Exception as exc:  # pylint: disable=broad-exception-caught
+            return exc
+        return {key: tensor.clone() for key, tensor in template.items()}
+
+    return load
+
+
+@pytest.mark.filterwarnings("ignore:Detected pickle protocol")  # torch.load's, of a damaged one
+def test_no_flipped_bit_of_a_header_loads_other_values_than_dcps_reader(tmp_path):
+    """Each bit of the data file but the tensor's own bytes, flipped in turn (a checkpoint of
+    one small tensor: torch.save's zip records with their local headers, the pickle, the byte
+    order and version records, the central directory and the end records): the parallel reader
+    raises, or loads bitwise what DCP's FileSystemReader loads; never values where torch.load
+    raises, nor other ones."""
+    dcp.save({"w": torch.arange(12.0).view(3, 4)}, checkpoint_id=tmp_path, no_dist=True)
+    (data,) = tmp_path.glob("*.distcp")
+    original = data.read_bytes()
+    with zipfile.ZipFile(io.BytesIO(original)) as archive:  # the one item, at offset 0
+        (record,) = [info for info in archive.infolist() if info.filename.endswith("/data/0")]
+    at = record.header_offset  # the local header: its name's and extra field's lengths
+    start = at + 30 + sum(struct.unpack("<HH", original[at + 26 : at + 30]))
+    payload = range(start, start + record.file_size)
+    assert original[payload.start : payload.stop] == torch.arange(12.0).numpy().tobytes()
+    reader = ParallelFileSystemReader(tmp_path, thread_count=2)
+    ours = _loader(reader, {"w": torch.zeros(3, 4)})
+    dcps = _loader(FileSystemReader(tmp_path), {"w": torch.zeros(3, 4)})
+    assert torch.equal(ours()["w"], torch.arange(12.0).view(3, 4)) and reader.fast_items == 1
+    silent = []
+    for byte in range(len(original)):
+        if byte in payload:
+            continue
+        for bit in range(8):
+            damaged = bytearray(original)
+            damaged[byte] ^= 1 << bit
+            data.write_bytes(damaged)
+            got = ours()
+            if isinstance(got, Exception):
+                continue
+            expected = dcps()
+            if isinstance(expected, Exception) or not torch.equal(got["w"], expected["w"]):
+                silent.append(
+                    (byte, bit, "raises" if isinstance(expected, Exception) else "differs")
+                )
+    assert not silent, f"{len(silent)} flips (byte, bit) load silently: {silent}"
 
 
 @pytest.mark.parametrize("count", [0, -1, "4", 2.0, True])
