@@ -6,8 +6,10 @@ DCP's ``FileSystemReader`` reads the tensors of a checkpoint one at a time: each
 about 1.5 GB/s from memory that already holds the file. This reader reads the bytes of each
 tensor that it can into the template's tensor itself, with ``os.preadv`` in a pool of threads;
 the rest (values that are not tensors, transformed items, parts of a stored tensor that are not
-contiguous in it, templates on a GPU, of another dtype or not contiguous) go through
-``FileSystemReader.read_data`` as before.
+contiguous in it, templates on a GPU, of another dtype or not contiguous, items whose header
+fails a check or whose template tensor shares memory with another's, and every item of a
+planner that resolves or commits tensors its own way) go through
+``FileSystemReader.read_data`` as before, through the same open file.
 """
 
 import contextlib
@@ -25,6 +27,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import torch
 from torch.distributed.checkpoint import FileSystemReader
+from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.planner import LoadItemType
 from torch.futures import Future
 
@@ -48,8 +51,14 @@ class ParallelFileSystemReader(FileSystemReader):
     that; an item that fails a check goes through ``FileSystemReader.read_data`` too, which
     raises where ``torch.load`` raises. An item with a compressed, encrypted or directory zip
     record (torch.save writes none, and ``torch.load`` reads one unchecked, giving memory it
-    never wrote) is refused with a ValueError. Every template tensor of the direct reads is resolved before the reads start (a
-    planner whose ``resolve_tensor`` makes temporaries holds them all at once).
+    never wrote) is refused with a ValueError.
+
+    The direct reads need a planner whose ``resolve_tensor`` and ``commit_tensor`` are
+    ``DefaultLoadPlanner``'s (its ``lookup_tensor`` may be another's): every template tensor
+    is resolved before the reads start, and the items whose template tensors share memory with
+    another's (one tensor under two keys) go through ``FileSystemReader.read_data``, in DCP's
+    order (the last key's value). With another planner, every item goes through
+    ``FileSystemReader.read_data``, which resolves, reads and commits one item after the other.
     ``fast_items`` and ``other_items`` count the items of the last ``read_data`` each way.
 
     Each data file is opened once per load, as ``FileSystemReader`` opens it: its headers,
@@ -72,11 +81,15 @@ class ParallelFileSystemReader(FileSystemReader):
         self.fast_items = self.other_items = 0
 
     def read_data(self, plan, planner):
+        if not _resolves_as_default(planner):  # DCP's order: resolve, read, commit, per item
+            self.fast_items, self.other_items = 0, len(plan.items)
+            return super().read_data(plan, planner)
         targets = {
             item: planner.resolve_tensor(item).detach()
             for item in plan.items
             if item.type == LoadItemType.TENSOR
         }
+        shared = _sharing(targets)  # read one after the other, in DCP's order
         files = {}  # relative path: its items, in the order FileSystemReader.read_data reads
         for item in plan.items:
             files.setdefault(self.storage_data[item.storage_index].relative_path, []).append(item)
@@ -84,14 +97,14 @@ class ParallelFileSystemReader(FileSystemReader):
         pool = ThreadPoolExecutor(self.thread_count, "ParallelFileSystemReader")
         try:
             for relative_path, items in files.items():
-                self._read_file(plan, relative_path, items, targets, planner, pool)
+                self._read_file(plan, relative_path, items, targets, shared, planner, pool)
         finally:
             pool.shutdown(cancel_futures=True)  # after a failure, the queued reads are dropped
         future = Future()
         future.set_result(None)
         return future
 
-    def _read_file(self, plan, relative_path, items, targets, planner, pool):
+    def _read_file(self, plan, relative_path, items, targets, shared, planner, pool):
         """Read the items of one file through one open of it: its headers, the direct reads
         (os.preadv on its descriptor, by the pool's threads) and FileSystemReader.read_data's
         reads; then refuse if its path no longer names that file as it was opened."""
@@ -101,7 +114,8 @@ class ParallelFileSystemReader(FileSystemReader):
             reads, done, other = [], [], []  # (fd, offset, bytes); items read each way
             for item in items:
                 target = targets.get(item)
-                offset = None if target is None else self._direct(item, target, file)
+                direct = target is not None and item not in shared
+                offset = self._direct(item, target, file) if direct else None
                 if offset is None:
                     other.append(item)
                     continue
@@ -148,6 +162,33 @@ class ParallelFileSystemReader(FileSystemReader):
         if not stored.is_contiguous():  # a part of the stored tensor that is not one run
             return None
         return info.offset + start + stored.storage_offset() * stored.element_size()
+
+
+def _resolves_as_default(planner):
+    """Whether `planner` resolves and commits tensors as DefaultLoadPlanner does (the targets
+    are the template's own tensors; a commit does nothing), so that reading every item before
+    any commit is what DCP's order reads."""
+    own = getattr(planner, "__dict__", {})
+    return all(
+        getattr(type(planner), name, None) is getattr(DefaultLoadPlanner, name) and name not in own
+        for name in ("resolve_tensor", "commit_tensor")
+    )
+
+
+def _sharing(targets):
+    """The items of `targets` (item: tensor) whose tensors share memory with another's."""
+    items, shared, furthest = list(targets), set(), None  # (device, end, index) reaching furthest
+    spans = sorted(
+        (str(t.device), t.data_ptr(), t.data_ptr() + _span(t), i)
+        for i, t in enumerate(targets.values())
+        if t.numel()
+    )
+    for device, start, end, i in spans:
+        if furthest is not None and furthest[0] == device and start < furthest[1]:
+            shared.update((items[i], items[furthest[2]]))
+        if furthest is None or furthest[0] != device or end > furthest[1]:
+            furthest = (device, end, i)
+    return shared
 
 
 def _record(view, where):

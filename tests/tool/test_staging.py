@@ -1351,6 +1351,51 @@ def test_no_flipped_bit_of_a_header_loads_other_values_than_dcps_reader(tmp_path
     assert not silent, f"{len(silent)} flips (byte, bit) load silently: {silent}"
 
 
+class _Scratch(DefaultLoadPlanner):
+    """Resolves every tensor to one scratch buffer and copies it into the template's tensor
+    at commit_tensor: right under DCP's order (resolve, read, commit, item by item)."""
+
+    def __init__(self):
+        super().__init__()
+        self.scratch = torch.empty(1 << 10)
+
+    def resolve_tensor(self, read_item):
+        target = super().resolve_tensor(read_item)
+        return self.scratch[: target.numel()].view(target.shape)
+
+    def commit_tensor(self, read_item, tensor):
+        super().resolve_tensor(read_item).copy_(tensor)
+
+
+@pytest.mark.parametrize("case", ["scratch_planner", "one_tensor_under_two_keys"])
+def test_parallel_reader_keeps_dcps_order_where_targets_share_memory(tmp_path, case):
+    """A planner whose resolve_tensor gives one scratch tensor that its commit_tensor copies
+    out, and a template with one tensor under two keys (the first read by FileSystemReader:
+    stored in BF16; the second directly): the parallel reader reads them as DCP's reader does,
+    resolve, read and commit one item after the other (the last key's value in the shared
+    tensor), not resolving every item first nor reading them at once."""
+    torch.manual_seed(0)
+    saved = {"a": torch.randn(8, 8), "b": torch.randn(16), "c": torch.randn(4, 4)}
+    if case == "one_tensor_under_two_keys":
+        saved = {"a": torch.randn(16).bfloat16(), "b": torch.randn(16)}
+    dcp.save(saved, checkpoint_id=tmp_path, no_dist=True)
+
+    def load(reader):
+        if case == "scratch_planner":
+            return _read(tmp_path, _template(saved), reader, _Scratch())
+        shared = torch.full((16,), -1.0)
+        return _read(tmp_path, {"a": shared, "b": shared}, reader)
+
+    expected = load(FileSystemReader(tmp_path))
+    if case == "scratch_planner":
+        _same(expected, saved)
+    else:
+        assert expected["a"] is expected["b"] and torch.equal(expected["a"], saved["b"])
+    reader = ParallelFileSystemReader(tmp_path)
+    _same(load(reader), expected)
+    assert (reader.fast_items, reader.other_items) == (0, len(saved))
+
+
 @pytest.mark.parametrize("count", [0, -1, "4", 2.0, True])
 def test_parallel_reader_takes_a_positive_int_thread_count(tmp_path, count):
     with pytest.raises(ValueError, match="thread_count must be a positive int"):
