@@ -959,24 +959,50 @@ def test_a_value_that_stage_refuses_raises_at_prepare_and_starts_no_thread(odd, 
     stager.close()
 
 
-def test_load_template_gives_the_buffers_unfilled_and_the_next_staging_reuses_them():
-    """The template holds the stager's buffers as they are (the last staging's values: not
-    filled from the state dict) in place of the tensors, the other values copied; they are not
-    tracked: the next staging takes them while the template is alive (and overwrites it)."""
+def test_load_template_gives_the_buffers_filled_and_the_next_staging_reuses_them():
+    """The template holds the stager's buffers (those of the last staging) in place of the
+    tensors, filled from the state dict, the other values copied; they are not tracked: the
+    next staging takes them while the template is alive (and overwrites it)."""
     weight = _model(64)
     stager = StandIn()
     state = {"model": {"w": weight, "b": torch.ones(3)}, "epoch": 3}
     stager.stage(state)  # dropped at once: its buffers are free
-    first = weight.clone()
     weight.add_(1)
     template = stager.load_template(state)
-    assert torch.equal(template["model"]["w"], first) and template["epoch"] == 3
+    assert torch.equal(template["model"]["w"], weight) and template["epoch"] == 3
+    weight.add_(1)
     pointers = stager._buffers.pointers()
     assert sorted(t.data_ptr() for t in template["model"].values()) == pointers
     staged = stager.stage(state)
     assert staged["model"]["w"].data_ptr() == template["model"]["w"].data_ptr()
     assert stager._buffers.pointers() == pointers and stager.overlapping_stagings == 0
     assert torch.equal(template["model"]["w"], weight)
+    stager.close()
+
+
+@pytest.mark.parametrize("stager_was", ["fresh", "reused"])
+@pytest.mark.parametrize("reader", [FileSystemReader, ParallelFileSystemReader])
+def test_a_partial_load_into_a_load_template_keeps_the_state_dicts_value_of_a_missing_key(
+    tmp_path, stager_was, reader
+):
+    """dcp.load with allow_partial_load into a load template whose state dict has keys that
+    the checkpoint lacks (a CPU tensor, a GPU one): they keep the state dict's values, as a
+    template of the state dict itself keeps them; a fresh stager's buffers held uninitialised
+    memory, a reused one's the last staging's values."""
+    saved = {"w": torch.randn(64)}
+    dcp.save(saved, checkpoint_id=tmp_path, no_dist=True)
+    stager = StandIn()
+    if stager_was == "reused":
+        stale = {"new": torch.full((32,), -3.0), "new_gpu": on_gpu(torch.full((8,), -3.0))}
+        stager.stage({"w": torch.zeros(64), **stale})  # dropped at once
+    state = {"w": torch.zeros(64), "new": torch.full((32,), 7.0)}
+    state["new_gpu"] = on_gpu(torch.full((8,), 5.0))
+    template = stager.load_template(state)
+    planner = DefaultLoadPlanner(allow_partial_load=True)
+    _read(tmp_path, template, reader(tmp_path), planner)
+    assert torch.equal(template["w"], saved["w"])
+    assert torch.equal(template["new"], state["new"])
+    assert torch.equal(template["new_gpu"], state["new_gpu"])
     stager.close()
 
 
