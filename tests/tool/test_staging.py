@@ -1006,6 +1006,27 @@ def test_a_partial_load_into_a_load_template_keeps_the_state_dicts_value_of_a_mi
     stager.close()
 
 
+@pytest.mark.parametrize("reader", [FileSystemReader, ParallelFileSystemReader])
+def test_a_tied_tensor_in_a_load_template_loads_as_in_the_state_dict_itself(tmp_path, reader):
+    """One tensor under two keys of the state dict (tied weights), saved with two different
+    values: its load template has one buffer under both keys, and loads what DCP loads into
+    the state dict itself (the last key's value under both). Two different views of one
+    memory (which DCP would load one over the other in part) are refused."""
+    saved = {"embed": torch.randn(16), "head": torch.randn(16), "b": torch.randn(4)}
+    dcp.save(saved, checkpoint_id=tmp_path, no_dist=True)
+    tied = torch.zeros(16)
+    dcp_own = _cpu_copies(_read(tmp_path, {"embed": tied, "head": tied, "b": torch.zeros(4)}))
+    assert torch.equal(dcp_own["embed"], saved["head"])  # the last one read
+    tied.zero_()
+    stager = StandIn()
+    template = stager.load_template({"embed": tied, "head": tied, "b": torch.zeros(4)})
+    _same(_read(tmp_path, template, reader(tmp_path)), dcp_own)
+    assert template["embed"].data_ptr() == template["head"].data_ptr()
+    with pytest.raises(ValueError, match="head and embed share memory"):
+        stager.load_template({"embed": tied, "head": tied[2:10]})
+    stager.close()
+
+
 def test_load_template_refuses_while_a_staging_is_not_complete_and_after_close():
     hold = threading.Event()
     stager = StandIn(async_staging=True, hold=hold)
