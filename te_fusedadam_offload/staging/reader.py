@@ -136,8 +136,8 @@ class ParallelFileSystemReader(FileSystemReader):
                 )
             if _identity(os.fstat(file.fileno())) != opened or _identity(os.stat(path)) != opened:
                 raise RuntimeError(
-                    f"ParallelFileSystemReader: {path} was replaced while it was read (another "
-                    "checkpoint written to this path?); load the checkpoint again"
+                    f"ParallelFileSystemReader: {path} was replaced or changed while it was read"
+                    " (another checkpoint written to this path?); load the checkpoint again"
                 )
         self.fast_items += len(done)
         self.other_items += len(other)

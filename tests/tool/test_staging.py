@@ -1332,7 +1332,7 @@ def test_a_checkpoint_file_renamed_over_after_its_header_is_checked_is_not_read_
 
     monkeypatch.setattr(reader_module, "_read", renamed_over_first)
     template = {"w": torch.full((64, 64), -1.0)}
-    with pytest.raises(dcp.CheckpointException, match="replaced while it was read"):
+    with pytest.raises(dcp.CheckpointException, match="was replaced or changed while it was read"):
         _read(tmp_path / "old", template, ParallelFileSystemReader(tmp_path / "old"))
     assert not new.exists() and torch.equal(template["w"], old["w"])
 
