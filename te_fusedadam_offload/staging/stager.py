@@ -220,19 +220,26 @@ class PinnedStager(AsyncStager):
 
     def load_template(self, state_dict):
         """`state_dict` (as for ``dcp.async_save``) with each tensor that the stager would copy
-        replaced by its buffer, not filled: the template for ``dcp.load``, with no second copy
-        in host memory, and then the buffers the next checkpoint reuses (it overwrites them:
-        use the template for that load only; every tensor of it must be loaded: a buffer
-        that is not holds what it held). An :meth:`optimizer_snapshot` in it gives the
-        optimizer state dict as ``get_optimizer_state_dict`` does, its states in FP32 (int16)
-        buffers; an optimizer without states gets them as that function makes them (a step
-        with zero gradients and learning rates)."""
+        replaced by its buffer, filled with that tensor's value (as ``stage()`` fills it):
+        the template for ``dcp.load``, with no second copy in host memory, and then the
+        buffers the next checkpoint reuses (it overwrites them: use the template for that
+        load only). A tensor that the load does not fill (``allow_partial_load``) keeps the
+        state dict's value. An :meth:`optimizer_snapshot` in it gives the optimizer state dict
+        as ``get_optimizer_state_dict`` does, its states in FP32 (int16) buffers; an
+        optimizer without states gets them as that function makes them (a step with zero
+        gradients and learning rates)."""
         with self._call("load_template"):
             self._buffers.wait_prepared()
             self._refuse_pending("load_template() called while a staging is not complete")
             # No keep_only(): a template of a part (the model, then the optimizer) keeps the
             # prepared buffers of the rest; the next stage() frees those it does not take.
-            return Walk(self, self._buffers, mode="template").value(state_dict, ())
+            walk = Walk(self, self._buffers, mode="template")
+            template = walk.value(state_dict, ())
+            for dst, src in walk.cpu:
+                dst.copy_(src)
+            if walk.device is not None:
+                self._finish(walk, self._enqueue(walk))
+            return template
 
     # What touches the device, in one place (the CPU tests stand in for it).
 

@@ -91,6 +91,7 @@ class Walk:
         self.device = None  # the CUDA device of the copies
         self.private = None  # the Private being walked
         self.own = set()  # addresses of this staging's buffers that an Extension filled
+        self.sources = {}  # template: (device, storage address): [(tensor, path, its buffer)]
 
     def value(self, value, path):
         """The staged form of `value`, at `path` in the state dict."""
@@ -138,13 +139,39 @@ class Walk:
 
     def _copy(self, tensor, path):
         device = self.stager._copy_device(tensor, path)
+        tied = self._tied(tensor, path) if self.mode == "template" else None
+        if tied is not None:
+            return tied
         view = self.buffer(path, tensor.shape, tensor.dtype, source=tensor)
+        if self.mode == "template" and tensor.numel():
+            key = (tensor.device, tensor.untyped_storage().data_ptr())
+            self.sources.setdefault(key, []).append((tensor, path, view))
         if device is None:
             self.cpu.append((view, tensor))
         else:
             self.use_device(device, path)
             self.gpu.append((view, tensor))
         return view
+
+    def _tied(self, tensor, path):
+        """In a template: the buffer of an earlier tensor of the state dict that `tensor` is
+        (one tensor under two keys, tied weights: DCP loads both into it, the last one read
+        stays), or None. Another view of memory that an earlier tensor holds is refused: DCP
+        would load one of them over the other in part."""
+        if not tensor.numel():
+            return None
+        key = (tensor.device, tensor.untyped_storage().data_ptr())
+        for other, other_path, view in self.sources.get(key, ()):
+            if _layout(other) == _layout(tensor):
+                return view
+            if _overlap(tensor, other):
+                raise ValueError(
+                    f"CheckpointStager.load_template(): {name(path)} and {name(other_path)} "
+                    "share memory but are different views of it, which DCP would load one "
+                    "over the other in part; pass one of them (or load into the state dict "
+                    "itself)"
+                )
+        return None
 
     def buffer(self, path, shape, dtype, source=None):
         """A view of the stager's buffer of `path` for this staging (not the memory of
@@ -196,6 +223,20 @@ def _holds_tensor(value):
     except Exception:  # pylint: disable=broad-exception-caught
         return False
     return False
+
+
+def _layout(tensor):
+    """Which elements of its storage `tensor` is, and as what."""
+    return tensor.dtype, tensor.shape, tensor.stride(), tensor.storage_offset()
+
+
+def _overlap(a, b):
+    """Whether the memory spans of two tensors (first element to last) overlap."""
+    spans = []
+    for t in (a, b):
+        last = sum((size - 1) * stride for size, stride in zip(t.shape, t.stride()))
+        spans.append((t.data_ptr(), t.data_ptr() + (last + 1) * t.element_size()))
+    return spans[0][0] < spans[1][1] and spans[1][0] < spans[0][1]
 
 
 def _check_type(tensor, path):

@@ -6,13 +6,16 @@ copies CUDA tensors into pinned ones."""
 import collections
 import copy
 import gc
+import io
 import os
 import pickle
+import struct
 import subprocess
 import sys
 import threading
 import time
 import weakref
+import zipfile
 
 import pytest
 from support import REPO
@@ -956,24 +959,71 @@ def test_a_value_that_stage_refuses_raises_at_prepare_and_starts_no_thread(odd, 
     stager.close()
 
 
-def test_load_template_gives_the_buffers_unfilled_and_the_next_staging_reuses_them():
-    """The template holds the stager's buffers as they are (the last staging's values: not
-    filled from the state dict) in place of the tensors, the other values copied; they are not
-    tracked: the next staging takes them while the template is alive (and overwrites it)."""
+def test_load_template_gives_the_buffers_filled_and_the_next_staging_reuses_them():
+    """The template holds the stager's buffers (those of the last staging) in place of the
+    tensors, filled from the state dict, the other values copied; they are not tracked: the
+    next staging takes them while the template is alive (and overwrites it)."""
     weight = _model(64)
     stager = StandIn()
     state = {"model": {"w": weight, "b": torch.ones(3)}, "epoch": 3}
     stager.stage(state)  # dropped at once: its buffers are free
-    first = weight.clone()
     weight.add_(1)
     template = stager.load_template(state)
-    assert torch.equal(template["model"]["w"], first) and template["epoch"] == 3
+    assert torch.equal(template["model"]["w"], weight) and template["epoch"] == 3
+    weight.add_(1)
     pointers = stager._buffers.pointers()
     assert sorted(t.data_ptr() for t in template["model"].values()) == pointers
     staged = stager.stage(state)
     assert staged["model"]["w"].data_ptr() == template["model"]["w"].data_ptr()
     assert stager._buffers.pointers() == pointers and stager.overlapping_stagings == 0
     assert torch.equal(template["model"]["w"], weight)
+    stager.close()
+
+
+@pytest.mark.parametrize("stager_was", ["fresh", "reused"])
+@pytest.mark.parametrize("reader", [FileSystemReader, ParallelFileSystemReader])
+def test_a_partial_load_into_a_load_template_keeps_the_state_dicts_value_of_a_missing_key(
+    tmp_path, stager_was, reader
+):
+    """dcp.load with allow_partial_load into a load template whose state dict has keys that
+    the checkpoint lacks (a CPU tensor, a GPU one): they keep the state dict's values, as a
+    template of the state dict itself keeps them; a fresh stager's buffers held uninitialised
+    memory, a reused one's the last staging's values."""
+    saved = {"w": torch.randn(64)}
+    dcp.save(saved, checkpoint_id=tmp_path, no_dist=True)
+    stager = StandIn()
+    if stager_was == "reused":
+        stale = {"new": torch.full((32,), -3.0), "new_gpu": on_gpu(torch.full((8,), -3.0))}
+        stager.stage({"w": torch.zeros(64), **stale})  # dropped at once
+    state = {"w": torch.zeros(64), "new": torch.full((32,), 7.0)}
+    state["new_gpu"] = on_gpu(torch.full((8,), 5.0))
+    template = stager.load_template(state)
+    planner = DefaultLoadPlanner(allow_partial_load=True)
+    _read(tmp_path, template, reader(tmp_path), planner)
+    assert torch.equal(template["w"], saved["w"])
+    assert torch.equal(template["new"], state["new"])
+    assert torch.equal(template["new_gpu"], state["new_gpu"])
+    stager.close()
+
+
+@pytest.mark.parametrize("reader", [FileSystemReader, ParallelFileSystemReader])
+def test_a_tied_tensor_in_a_load_template_loads_as_in_the_state_dict_itself(tmp_path, reader):
+    """One tensor under two keys of the state dict (tied weights), saved with two different
+    values: its load template has one buffer under both keys, and loads what DCP loads into
+    the state dict itself (the last key's value under both). Two different views of one
+    memory (which DCP would load one over the other in part) are refused."""
+    saved = {"embed": torch.randn(16), "head": torch.randn(16), "b": torch.randn(4)}
+    dcp.save(saved, checkpoint_id=tmp_path, no_dist=True)
+    tied = torch.zeros(16)
+    dcp_own = _cpu_copies(_read(tmp_path, {"embed": tied, "head": tied, "b": torch.zeros(4)}))
+    assert torch.equal(dcp_own["embed"], saved["head"])  # the last one read
+    tied.zero_()
+    stager = StandIn()
+    template = stager.load_template({"embed": tied, "head": tied, "b": torch.zeros(4)})
+    _same(_read(tmp_path, template, reader(tmp_path)), dcp_own)
+    assert template["embed"].data_ptr() == template["head"].data_ptr()
+    with pytest.raises(ValueError, match="head and embed share memory"):
+        stager.load_template({"embed": tied, "head": tied[2:10]})
     stager.close()
 
 
@@ -1244,21 +1294,153 @@ def test_a_checkpoint_file_cut_while_it_is_read_fails_the_load(tmp_path, monkeyp
     not leave the rest of the template as it was."""
     dcp.save({"w": torch.randn(64, 64), "epoch": 3}, checkpoint_id=tmp_path, no_dist=True)
     (data,) = tmp_path.glob("*.distcp")
-    direct = ParallelFileSystemReader._direct
+    size = data.stat().st_size
+    read = reader_module._read
 
-    def then_cut(self, *args):
-        target, found = direct(self, *args)
-        if found is not None:  # the item of "w", the last in the file
-            os.truncate(data, data.stat().st_size // 2)
-        return target, found
+    def cut_first(*args):  # the reads' first: "w" (the last item in the file) is planned
+        if data.stat().st_size == size:
+            os.truncate(data, size // 2)
+        return read(*args)
 
-    monkeypatch.setattr(ParallelFileSystemReader, "_direct", then_cut)
+    monkeypatch.setattr(reader_module, "_read", cut_first)
     with pytest.raises(dcp.CheckpointException, match="EOFError"):
         _read(
             tmp_path,
             {"w": torch.full((64, 64), -1.0), "epoch": 0},
             ParallelFileSystemReader(tmp_path),
         )
+
+
+def test_a_checkpoint_file_renamed_over_after_its_header_is_checked_is_not_read_by_path(
+    tmp_path, monkeypatch
+):
+    """Another checkpoint written to the same path (its data file renamed over this one) once
+    the reader has checked the header and planned its reads, before it reads: the reads go to
+    the file whose header was checked (one open per file per load), never to the new file at
+    the old offsets, and the load refuses, saying that the file was replaced."""
+    old = {"w": torch.arange(4096.0).view(64, 64)}
+    dcp.save(old, checkpoint_id=tmp_path / "old", no_dist=True)
+    dcp.save({"w": -old["w"]}, checkpoint_id=tmp_path / "new", no_dist=True)
+    (data,) = (tmp_path / "old").glob("*.distcp")
+    (new,) = (tmp_path / "new").glob("*.distcp")  # the same layout: the same offsets
+    read = reader_module._read
+
+    def renamed_over_first(*args):  # the reads' first: every header is checked
+        if new.exists():
+            os.replace(new, data)
+        return read(*args)
+
+    monkeypatch.setattr(reader_module, "_read", renamed_over_first)
+    template = {"w": torch.full((64, 64), -1.0)}
+    with pytest.raises(dcp.CheckpointException, match="was replaced or changed while it was read"):
+        _read(tmp_path / "old", template, ParallelFileSystemReader(tmp_path / "old"))
+    assert not new.exists() and torch.equal(template["w"], old["w"])
+
+
+def _loader(reader, template):
+    """A function that loads the checkpoint of `reader` into `template` (reset to -1 first)
+    and returns a copy of it, or the exception: dcp.load's steps in one process, planned once
+    (a damaged data file leaves the metadata and the plan as they are)."""
+    planner = DefaultLoadPlanner()
+    metadata = reader.read_metadata()
+    planner.set_up_planner(template, metadata, True)
+    reader.set_up_storage_reader(metadata, True)
+    plan = planner.finish_plan(planner.create_global_plan([planner.create_local_plan()])[0])
+
+    def load():
+        for tensor in template.values():
+            tensor.fill_(-1)
+        try:
+            reader.read_data(plan, planner).wait()
+        except Exception as exc:  # pylint: disable=broad-exception-caught
+            return exc
+        return {key: tensor.clone() for key, tensor in template.items()}
+
+    return load
+
+
+@pytest.mark.filterwarnings("ignore:Detected pickle protocol")  # torch.load's, of a damaged one
+def test_no_flipped_bit_of_a_header_loads_other_values_than_dcps_reader(tmp_path):
+    """Each bit of the data file but the tensor's own bytes, flipped in turn (a checkpoint of
+    one small tensor: torch.save's zip records with their local headers, the pickle, the byte
+    order and version records, the central directory and the end records): the parallel reader
+    raises, or loads bitwise what DCP's FileSystemReader loads; never values where torch.load
+    raises, nor other ones."""
+    dcp.save({"w": torch.arange(12.0).view(3, 4)}, checkpoint_id=tmp_path, no_dist=True)
+    (data,) = tmp_path.glob("*.distcp")
+    original = data.read_bytes()
+    with zipfile.ZipFile(io.BytesIO(original)) as archive:  # the one item, at offset 0
+        (record,) = [info for info in archive.infolist() if info.filename.endswith("/data/0")]
+    at = record.header_offset  # the local header: its name's and extra field's lengths
+    start = at + 30 + sum(struct.unpack("<HH", original[at + 26 : at + 30]))
+    payload = range(start, start + record.file_size)
+    assert original[payload.start : payload.stop] == torch.arange(12.0).numpy().tobytes()
+    reader = ParallelFileSystemReader(tmp_path, thread_count=2)
+    ours = _loader(reader, {"w": torch.zeros(3, 4)})
+    dcps = _loader(FileSystemReader(tmp_path), {"w": torch.zeros(3, 4)})
+    assert torch.equal(ours()["w"], torch.arange(12.0).view(3, 4)) and reader.fast_items == 1
+    silent = []
+    for byte in range(len(original)):
+        if byte in payload:
+            continue
+        for bit in range(8):
+            damaged = bytearray(original)
+            damaged[byte] ^= 1 << bit
+            data.write_bytes(damaged)
+            got = ours()
+            if isinstance(got, Exception):
+                continue
+            expected = dcps()
+            if isinstance(expected, Exception) or not torch.equal(got["w"], expected["w"]):
+                silent.append(
+                    (byte, bit, "raises" if isinstance(expected, Exception) else "differs")
+                )
+    assert not silent, f"{len(silent)} flips (byte, bit) load silently: {silent}"
+
+
+class _Scratch(DefaultLoadPlanner):
+    """Resolves every tensor to one scratch buffer and copies it into the template's tensor
+    at commit_tensor: right under DCP's order (resolve, read, commit, item by item)."""
+
+    def __init__(self):
+        super().__init__()
+        self.scratch = torch.empty(1 << 10)
+
+    def resolve_tensor(self, read_item):
+        target = super().resolve_tensor(read_item)
+        return self.scratch[: target.numel()].view(target.shape)
+
+    def commit_tensor(self, read_item, tensor):
+        super().resolve_tensor(read_item).copy_(tensor)
+
+
+@pytest.mark.parametrize("case", ["scratch_planner", "one_tensor_under_two_keys"])
+def test_parallel_reader_keeps_dcps_order_where_targets_share_memory(tmp_path, case):
+    """A planner whose resolve_tensor gives one scratch tensor that its commit_tensor copies
+    out, and a template with one tensor under two keys (the first read by FileSystemReader:
+    stored in BF16; the second directly): the parallel reader reads them as DCP's reader does,
+    resolve, read and commit one item after the other (the last key's value in the shared
+    tensor), not resolving every item first nor reading them at once."""
+    torch.manual_seed(0)
+    saved = {"a": torch.randn(8, 8), "b": torch.randn(16), "c": torch.randn(4, 4)}
+    if case == "one_tensor_under_two_keys":
+        saved = {"a": torch.randn(16).bfloat16(), "b": torch.randn(16)}
+    dcp.save(saved, checkpoint_id=tmp_path, no_dist=True)
+
+    def load(reader):
+        if case == "scratch_planner":
+            return _read(tmp_path, _template(saved), reader, _Scratch())
+        shared = torch.full((16,), -1.0)
+        return _read(tmp_path, {"a": shared, "b": shared}, reader)
+
+    expected = load(FileSystemReader(tmp_path))
+    if case == "scratch_planner":
+        _same(expected, saved)
+    else:
+        assert expected["a"] is expected["b"] and torch.equal(expected["a"], saved["b"])
+    reader = ParallelFileSystemReader(tmp_path)
+    _same(load(reader), expected)
+    assert (reader.fast_items, reader.other_items) == (0, len(saved))
 
 
 @pytest.mark.parametrize("count", [0, -1, "4", 2.0, True])
