@@ -748,8 +748,7 @@ def test_close_from_a_signal_handler_during_stage(async_staging, exits):
     else:
         assert result.returncode == 0, result.stderr
         assert (
-            result.stdout
-            == "closed in the handler\nstaged 0 None\n"
+            result.stdout == "closed in the handler\nstaged 0 None\n"
             "CheckpointStager.stage() called after close()\n"
         ), result.stderr
 
@@ -1207,6 +1206,28 @@ def test_parallel_reader_reads_bitwise_what_the_file_system_reader_reads(
     _same(_read(tmp_path, _template(saved)), saved)
     _same(_read(tmp_path, _template(saved), reader), saved)
     assert (reader.fast_items, reader.other_items) == (5, 3) and _byte_items(tmp_path) == 3
+
+
+def test_parallel_reader_reads_directly_where_torch_has_no_get_record_size(tmp_path, monkeypatch):
+    """torch 2.11's PyTorchFileReader has no get_record_size(): the reader still reads the
+    plain tensors directly, bitwise (the GPU machine's torch found this)."""
+    real = torch._C.PyTorchFileReader  # pylint: disable=protected-access
+
+    class Older:  # pylint: disable=too-few-public-methods
+        def __init__(self, source):
+            self._reader = real(source)
+
+        def __getattr__(self, name):
+            if name == "get_record_size":
+                raise AttributeError(name)
+            return getattr(self._reader, name)
+
+    monkeypatch.setattr(torch._C, "PyTorchFileReader", Older)  # pylint: disable=protected-access
+    saved = {"f32": torch.randn(50, 70), "i16": torch.arange(40, dtype=torch.int16)}
+    dcp.save(saved, checkpoint_id=tmp_path, no_dist=True)
+    reader = ParallelFileSystemReader(tmp_path)
+    _same(_read(tmp_path, _template(saved), reader), saved)
+    assert (reader.fast_items, reader.other_items) == (2, 0)
 
 
 @pytest.mark.parametrize("case", ["template_strided", "template_bf16", "stored_transposed"])
