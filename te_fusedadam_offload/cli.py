@@ -19,6 +19,7 @@ from .errors import (
     EXIT_INTERRUPTED,
     EXIT_USAGE,
     ToolError,
+    fault,
     interrupted_early,
     is_interrupt,
     quiet_lost_interrupts,
@@ -38,7 +39,11 @@ def _target(args, changes=False):
     """The target of the command, locked for it (lock.py) until the command ends: exclusively
     for one that `changes` it (apply, revert), shared for one that reads it."""
     args.target = find_target(args.path, args.installed, args.python)
-    args.stack.enter_context(locked(args.target, changes, args.command))
+
+    def waiting():
+        args.waited = True
+
+    args.stack.enter_context(locked(args.target, changes, args.command, waiting))
     args.locked = True
     return args.target
 
@@ -143,6 +148,7 @@ def _done(*lines):
     """Print the lines that say a command changing files succeeded, once its work is done and
     read back: a Ctrl-C before them is reported as an interrupt (exit 130), one from here on is
     ignored, so that a success line is never followed by one."""
+    fault("done")
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     for line in lines:
         print(line)
@@ -269,8 +275,10 @@ def _interrupted(args):
     target = args.target
     if args.command not in ("apply", "revert") or getattr(args, "dry_run", False):
         return f"interrupted; nothing was changed ({args.command} only reads)"
-    if not getattr(args, "locked", False):
+    if getattr(args, "waited", False) and not getattr(args, "locked", False):
         return "interrupted while it waited for another run on the TE; nothing was changed"
+    if not getattr(args, "locked", False):  # found, but not yet locked: nothing read
+        return "interrupted before it read the TE; nothing was changed"
     try:
         if target.kind != "checkout":
             remove_stale_files(target)  # what the next apply or revert would remove first

@@ -12,18 +12,24 @@ import fcntl
 import os
 import sys
 
+from .errors import fault
+
 
 @contextlib.contextmanager
-def locked(target, exclusive, command):
+def locked(target, exclusive, command, waiting=None):
     """Hold the lock of `target` (exclusive: apply, revert; else shared) for the block. Waits
-    for a run that holds it, saying so on standard error once."""
+    for a run that holds it, saying so on standard error once; `waiting`, if given, is called
+    first (so that a Ctrl-C while it waits is told from one before it took a free lock)."""
     directory = target.root / target.subtree
     fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
     try:
         kind = fcntl.LOCK_EX if exclusive else fcntl.LOCK_SH
+        fault("lock")
         try:
             fcntl.flock(fd, kind | fcntl.LOCK_NB)
         except BlockingIOError:
+            if waiting is not None:
+                waiting()
             print(
                 f"te-fusedadam-offload {command}: waiting for another te-fusedadam-offload run "
                 f"on {directory} to finish",

@@ -10,7 +10,7 @@ import signal
 import subprocess
 from pathlib import Path
 
-from .errors import NeedsError, ToolError
+from .errors import NeedsError, ToolError, fault
 from .series import hunk_headers, patch_label
 
 
@@ -42,6 +42,7 @@ def git(args, cwd, env=None, check=True, input_text=None, shielded=False):
         raise
     with proc:
         try:
+            fault("git")
             stdout, stderr = proc.communicate(input_text)
         except KeyboardInterrupt:
             if proc.stdin:  # the rest of the input is not written: end it

@@ -10,15 +10,13 @@ exact original bytes and modes. state.json also records the digests of the files
 made them and which patches made them, so that later commands read the state from it.
 """
 
-import errno
 import hashlib
 import json
 import os
 import shutil
-import signal
 from pathlib import Path
 
-from .errors import ToolError
+from .errors import ToolError, fault
 from .series import patch_files, patch_label
 from .target import BACKUP_DIR, te_version
 from .upstream import sha256_of
@@ -27,32 +25,6 @@ from .upstream import sha256_of
 #  "te_version"}; written last.
 STATE_FILE = "state.json"
 TMP_SUFFIX = ".te-fusedadam-offload.tmp"
-FAULT_ENV = "TE_FUSEDADAM_OFFLOAD_FAULT"
-_fault_counts = {}
-
-
-def fault(point):
-    """Test hook. With TE_FUSEDADAM_OFFLOAD_FAULT=POINT[#N]:ACTION the N-th time (default: the
-    first) that the tool reaches POINT it kills itself (ACTION "kill", SIGKILL), interrupts
-    itself as Ctrl-C does ("int", SIGINT) or fails as a full or broken disk would ("enospc",
-    "eio"). Points: "write" (half of a new file written), "replace" (a new file written and
-    synced, before it replaces the old one), "unlink" (before the saved originals are
-    removed), "scratch" (a scratch copy of the target's files made, in $TMPDIR)."""
-    spec = os.environ.get(FAULT_ENV)
-    if not spec:
-        return
-    where, _, action = spec.partition(":")
-    name, _, nth = where.partition("#")
-    if name != point:
-        return
-    _fault_counts[point] = _fault_counts.get(point, 0) + 1
-    if _fault_counts[point] != int(nth or 1):
-        return
-    if action in ("kill", "int"):
-        os.kill(os.getpid(), signal.SIGKILL if action == "kill" else signal.SIGINT)
-        return
-    code = {"enospc": errno.ENOSPC, "eio": errno.EIO}[action]
-    raise OSError(code, os.strerror(code))
 
 
 def _sync_dir(path):

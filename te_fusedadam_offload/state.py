@@ -14,9 +14,9 @@ import tempfile
 from functools import cached_property
 from pathlib import Path
 
-from .errors import ToolError
+from .errors import ToolError, fault
 from .patching import all_apply, failure, offsets
-from .saved import Backup, fault, patch_ids, sha256
+from .saved import Backup, patch_ids, sha256
 from .series import compat_patches, patch_files, patch_label
 from .target import Target, older_than_supported, supported_range, te_version
 

@@ -10,7 +10,7 @@ import sys
 import zipfile
 from pathlib import Path
 
-from te_fusedadam_offload import actions, saved, series, state, upstream
+from te_fusedadam_offload import actions, errors, saved, series, state, upstream
 from te_fusedadam_offload.maintainers import mainline
 
 REPO = Path(__file__).resolve().parents[2]
@@ -96,9 +96,9 @@ def git(args, cwd):
 def tool_env(pythonpath=REPO, fault=None, **extra):
     """The environment of the command line in a subprocess, with a fault injected or none."""
     env = dict(os.environ, PYTHONPATH=str(pythonpath), **extra)
-    env.pop(saved.FAULT_ENV, None)
+    env.pop(errors.FAULT_ENV, None)
     if fault:
-        env[saved.FAULT_ENV] = fault
+        env[errors.FAULT_ENV] = fault
     return env
 
 

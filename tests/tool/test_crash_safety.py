@@ -227,9 +227,67 @@ def test_ctrl_c_at_any_point_says_what_the_files_are_and_leaves_no_scratch(
     _assert_way_out(tree, pristine, 0o644)
 
 
-# The command as pip's console script starts it, saying on stderr when its main() has begun
-# (the interpreter's own start and the script's lines before main(), before any code of the
-# tool runs, are not the tool's to handle: a Ctrl-C there gives Python's traceback).
+# The instants of a run at which a Ctrl-C is sent, in order, and what the files then are: the
+# target found and its lock not yet taken (no other run holds it), git trying the patches on a
+# scratch copy (git gets the Ctrl-C too), each file written and before it replaces the old one,
+# the saved originals about to be removed, the work done and read back before the success line.
+INSTANTS = {
+    "apply": [
+        ("lock#1", "pristine"),
+        ("scratch#1", "pristine"),
+        ("git#1", "pristine"),
+        *[(point, "pristine") for point in APPLY_POINTS],
+        ("done#1", "patched"),
+    ],
+    "revert": [
+        ("lock#1", "patched"),
+        ("write#1", "patched"),
+        ("replace#1", "patched"),
+        ("unlink#1", "pristine"),
+        ("done#1", "pristine"),
+    ],
+}
+BEFORE_THE_LOCK = "interrupted before it read the TE; nothing was changed"
+
+
+def _in_a_session(args, **env):
+    """The command line in a session of its own: the fault hook's Ctrl-C goes to its process
+    group, as a terminal's does (git included)."""
+    with subprocess.Popen(
+        [sys.executable, "-m", "te_fusedadam_offload", *args],
+        env=tool_env(**env),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    ) as proc:
+        stdout, stderr = proc.communicate()
+    return subprocess.CompletedProcess(proc.args, proc.returncode, stdout, stderr)
+
+
+@pytest.mark.parametrize("command", ["apply", "revert"])
+def test_ctrl_c_at_several_instants_of_a_run(tree, pristine, tmp_path, command):
+    """Ctrl-C at each instant of INSTANTS in turn (sent there by the fault hook, so that where it
+    lands is chosen, not timed): exit 130 and one line saying what the files are, as they are;
+    before the lock, that nothing was read or changed (not that it waited for another run:
+    none held the lock); never a traceback, nothing left in $TMPDIR or beside the files."""
+    scratch = tmp_path / "tmpdir"
+    scratch.mkdir()
+    other = "revert" if command == "apply" else "apply"
+    for instant, files in INSTANTS[command]:
+        assert run_tool([other, str(tree)]).returncode == 0
+        result = _in_a_session([command, str(tree)], fault=f"{instant}:int", TMPDIR=str(scratch))
+        assert "Traceback" not in result.stderr, (instant, result.stderr)
+        assert _one_interrupted_line(result, command, tree) == files, instant
+        said = result.stderr.split(": ", 1)[1].rstrip("\n")
+        assert (said == BEFORE_THE_LOCK) == instant.startswith("lock"), (instant, said)
+        assert not list(scratch.iterdir()), instant
+        assert not list((tree / FUSED_ADAM).parent.glob(".*.tmp")), instant
+    _assert_way_out(tree, pristine, 0o644)
+
+
+# The same with Ctrl-C sent at timed instants from 0 to 0.4 s into a run: where each lands
+# depends on the machine's speed and load, and whatever it is, what the run says must be true.
 _CONSOLE_SCRIPT = """import sys
 import te_fusedadam_offload.__main__ as command
 quiet = command.quiet_lost_interrupts
@@ -261,13 +319,14 @@ def _ctrl_c_after(args, delay, scratch):
 
 
 @pytest.mark.parametrize("command", ["apply", "revert"])
-def test_ctrl_c_at_several_instants_of_a_run(tree, pristine, tmp_path, command):
-    """Ctrl-C from 0 to 0.4 s into a run: it either completes (exit 0, its line) or stops
-    with exit 130 and one line saying what the files are; never a traceback, never a
-    success line before an interrupt, nothing left in $TMPDIR or beside the files."""
+def test_ctrl_c_at_timed_instants_of_a_run_says_the_truth(tree, pristine, tmp_path, command):
+    """Ctrl-C from 0 to 0.4 s into a run (after the command's main() has begun; the instants
+    are the machine's, so this asserts only what holds at any of them): it either completes
+    (exit 0, its line) or stops with exit 130 and one line saying what the files are; never a
+    traceback, never a success line before an interrupt, nothing left in $TMPDIR or beside the
+    files."""
     scratch = tmp_path / "tmpdir"
     scratch.mkdir()
-    codes = []
     for delay in (0, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.12, 0.15, 0.2, 0.3, 0.4):
         other = "revert" if command == "apply" else "apply"
         assert run_tool([other, str(tree)]).returncode == 0
@@ -280,8 +339,6 @@ def test_ctrl_c_at_several_instants_of_a_run(tree, pristine, tmp_path, command):
             assert _one_interrupted_line(result, command, tree) in ("pristine", "patched")
         assert not list(scratch.iterdir()), delay
         assert not list((tree / FUSED_ADAM).parent.glob(".*.tmp")), delay
-        codes.append(result.returncode)
-    assert 130 in codes, codes
     _assert_way_out(tree, pristine, 0o644)
 
 
