@@ -14,6 +14,7 @@ import pytest
 from support import (
     FUSED_ADAM,
     FUSED_SGD,
+    REPO,
     as_main,
     file_state,
     git,
@@ -470,6 +471,51 @@ def test_a_ctrl_c_between_the_import_and_the_handler_is_one_line(tree, tmp_path)
         "te-fusedadam-offload apply: interrupted before it read the TE; nothing was changed\n",
     )
     assert file_state(tree) == "pristine" and not list(scratch.iterdir())
+
+
+# Python started with a script's path (as the installed command is run) checks whether that
+# path is an import path entry, through sys.path_hooks; a Ctrl-C there is printed by Python
+# ("Failed checking if argv[0] is an import path entry" and its traceback), and the script runs
+# all the same. Here a path hook that sitecustomize puts first raises it for the script's path.
+_SITECUSTOMIZE = """import os, sys
+def interrupted(path):
+    if path == os.environ.get("INTERRUPT_AT"):
+        raise KeyboardInterrupt
+    raise ImportError
+sys.path_hooks.insert(0, interrupted)
+"""
+_PIP_SCRIPT = """import re
+import sys
+from te_fusedadam_offload.__main__ import main
+if __name__ == "__main__":
+    sys.argv[0] = re.sub(r"(-script\\.pyw|\\.exe)?$", "", sys.argv[0])
+    sys.exit(main())
+"""
+
+
+def test_a_ctrl_c_that_python_printed_at_its_start_stops_the_command(tree, tmp_path):
+    """Seen once in 48 Ctrl-Cs at 0.02 s under load: Python's traceback, then the command ran
+    on, applied the series and exited 0. Now it stops before it reads the TE, with its one line
+    after Python's traceback (exit 130)."""
+    hook, script = tmp_path / "hook", tmp_path / "bin" / "te-fusedadam-offload"
+    hook.mkdir()
+    (hook / "sitecustomize.py").write_text(_SITECUSTOMIZE)
+    script.parent.mkdir()
+    script.write_text(_PIP_SCRIPT)
+    result = subprocess.run(
+        [sys.executable, str(script), "apply", str(tree)],
+        env=tool_env(pythonpath=f"{hook}{os.pathsep}{REPO}", INTERRUPT_AT=str(script)),
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    assert "Failed checking if argv[0] is an import path entry" in result.stderr, result.stderr
+    assert (result.returncode, result.stdout) == (130, ""), result.stderr
+    assert (
+        result.stderr.splitlines()[-1]
+        == "te-fusedadam-offload apply: interrupted before it read the TE; nothing was changed"
+    )
+    assert file_state(tree) == "pristine"
 
 
 def _te_checkout(tree, monkeypatch):
