@@ -30,7 +30,7 @@ from .paths import repo_root
 from .saved import remove_stale_files
 from .series import stack_prefix
 from .report import file_report, notes
-from .state import APPLIED, DRIFTED, NOT_APPLIED, NOT_FOR_TARGET, State
+from .state import APPLIED, DRIFTED, INTERRUPTED, NOT_APPLIED, NOT_FOR_TARGET, State
 from .target import find_target, older_than_supported, te_version
 from .upstream import load_pin
 
@@ -100,24 +100,31 @@ def cmd_status(args):
 def cmd_check(args):
     """Verify that the series is in, as a CI line does before training (te-fusedadam-offload
     check && train): exit 0 if it is applied, 1 if it is not (not applied, interrupted,
-    drifted), with what apply would do about it. apply --dry-run tells whether apply would
+    drifted), with one line on what apply would do. apply --dry-run tells whether apply would
     succeed."""
     state = State(_target(args))
-    overall, found = _print_status(state), te_version(state.target)
+    overall = _print_status(state)
+    print(f"  apply: {_apply_would(state, overall)}")
+    return 0 if overall == APPLIED else 1
+
+
+def _apply_would(state, overall):
+    """What apply would do to the target of `state`, in a few words."""
+    target, found = state.target, te_version(state.target)
+    refusal = notes(state, overall)[: 1 if target.source_checkout or state.edited else 0]
+    if refusal:  # an installed TE that is a git checkout's, or files edited after apply
+        return f"refuses: {refusal[0]}"
     if overall == APPLIED:
-        return 0
+        return "nothing to do, the series is applied"
     if overall == NOT_APPLIED and older_than_supported(found):
-        print(f"  TE {found} is older than the releases the series supports; apply refuses it")
-    elif state.target.source_checkout or state.edited:
-        for note in notes(state, overall):
-            print(f"  {note}")
-    elif overall == DRIFTED and state.other_version:
-        print("  another version of this series is applied; apply replaces it")
-    elif overall == DRIFTED:
-        print("  apply refuses a drifted TE; status says what drifted")
-    else:
-        print(f"  the series is not in: te-fusedadam-offload apply {state.target.args} puts it in")
-    return 1
+        return f"refuses TE {found}, older than the releases the series supports"
+    if overall != APPLIED and "patched" in (state.saved or {}).values() and state.other_version:
+        return "replaces the other version of this series that is applied with this one"
+    if overall == DRIFTED:
+        return "refuses a drifted TE; status says what drifted"
+    if overall == INTERRUPTED:
+        return f"completes the series: te-fusedadam-offload apply {target.args}"
+    return f"the series is not in: te-fusedadam-offload apply {target.args} puts it in"
 
 
 def cmd_apply(args):
