@@ -13,7 +13,7 @@ import tempfile
 import textwrap
 
 from . import __version__
-from .actions import apply, dry_run, revert
+from .actions import apply, carry_out, locked, revert
 from .errors import (
     EXIT_CODES,
     EXIT_INTERRUPTED,
@@ -24,14 +24,13 @@ from .errors import (
     is_interrupt,
     quiet_lost_interrupts,
 )
-from .lock import locked
 from .maintainers import MAINTAINERS_COMMANDS, add_commands
 from .paths import repo_root
-from .saved import remove_stale_files
+from .plan import dry_run, tidying, would_apply
+from .report import file_report, status_json, status_lines
 from .series import stack_prefix
-from .report import file_report, notes
-from .state import APPLIED, DRIFTED, INTERRUPTED, NOT_APPLIED, NOT_FOR_TARGET, State
-from .target import find_target, older_than_supported, te_version
+from .state import APPLIED, NOT_APPLIED, NOT_FOR_TARGET, State
+from .target import find_target
 from .upstream import load_pin
 
 
@@ -66,34 +65,13 @@ def cmd_status(args):
         if args.json:
             print(json.dumps({"error": str(exc), "exit_status": exc.code}, indent=2))
         raise
-    target = state.target
     if args.json:
-        rows, overall = state.rows, state.overall
-        report = {
-            "target": str(target.root),
-            "kind": target.kind,
-            "te_version": te_version(target),
-            "series_for": load_pin()["version"],
-            "status": overall,
-            "patches": [
-                {"patch": name, "state": state, "detail": detail} for name, state, detail in rows
-            ],
-            "files": [{"path": rel, "state": what} for rel, what in file_report(state)],
-            "notes": notes(state, overall),
-        }
+        report = status_json(state)
         print(json.dumps(report, indent=2))
-    else:
-        overall = _print_status(state)
-        left_out = sum(what == NOT_FOR_TARGET for _, what, _ in state.rows)
-        if left_out:
-            print(
-                f"  ({len(state.rows) - left_out} of the series' {len(state.rows)} patches change "
-                f"{target.subtree}/; the others are TE's tests and docs)"
-            )
-        for rel, what in file_report(state):
-            print(f"  {rel}: {what}")
-        for note in notes(state, overall):
-            print(f"note: {note}")
+        return 0 if report["status"] == APPLIED else 1
+    overall = _print_status(state)
+    for line in status_lines(state, overall):
+        print(line)
     return 0 if overall == APPLIED else 1
 
 
@@ -104,27 +82,8 @@ def cmd_check(args):
     succeed."""
     state = State(_target(args))
     overall = _print_status(state)
-    print(f"  apply: {_apply_would(state, overall)}")
+    print(f"  apply: {would_apply(state)}")
     return 0 if overall == APPLIED else 1
-
-
-def _apply_would(state, overall):
-    """What apply would do to the target of `state`, in a few words."""
-    target, found = state.target, te_version(state.target)
-    refusal = notes(state, overall)[: 1 if target.source_checkout or state.edited else 0]
-    if refusal:  # an installed TE that is a git checkout's, or files edited after apply
-        return f"refuses: {refusal[0]}"
-    if overall == APPLIED:
-        return "nothing to do, the series is applied"
-    if overall == NOT_APPLIED and older_than_supported(found):
-        return f"refuses TE {found}, older than the releases the series supports"
-    if overall != APPLIED and "patched" in (state.saved or {}).values() and state.other_version:
-        return "replaces the other version of this series that is applied with this one"
-    if overall == DRIFTED:
-        return "refuses a drifted TE; status says what drifted"
-    if overall == INTERRUPTED:
-        return f"completes the series: te-fusedadam-offload apply {target.args}"
-    return f"the series is not in: te-fusedadam-offload apply {target.args} puts it in"
 
 
 def cmd_apply(args):
@@ -132,7 +91,7 @@ def cmd_apply(args):
     change and change nothing."""
     target, patches = _target(args, changes=not args.dry_run), stack_prefix(args.upto)
     if args.dry_run:
-        message, diff = dry_run(target, patches)
+        message, diff = dry_run(State(target, patches, "apply"))
         sys.stdout.write(diff)
         print(f"dry run: {target}: apply would say: {message}; nothing was changed")
         return
@@ -287,9 +246,9 @@ def _interrupted(args):
     if not getattr(args, "locked", False):  # found, but not yet locked: nothing read
         return "interrupted before it read the TE; nothing was changed"
     try:
-        if target.kind != "checkout":
-            remove_stale_files(target)  # what the next apply or revert would remove first
         state = State(target)
+        if target.kind != "checkout":
+            carry_out(tidying(state))  # what the next apply or revert would remove first
         files = "; ".join(f"{rel}: {what}" for rel, what in file_report(state))
         return f"interrupted; {files} (status: {state.overall})"
     except ToolError as exc:
