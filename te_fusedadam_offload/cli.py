@@ -1,7 +1,6 @@
 """te-fusedadam-offload: the command line of the patch set; the users' commands (apply,
 status, check, revert), then the maintainers' (maintainers.py)."""
 
-import argparse
 import contextlib
 import io
 import json
@@ -10,12 +9,10 @@ import shutil
 import signal
 import sys
 import tempfile
-import textwrap
 
-from . import __version__
 from .actions import apply, carry_out, locked, revert
+from .arguments import parser
 from .errors import (
-    EXIT_CODES,
     EXIT_INTERRUPTED,
     EXIT_USAGE,
     ToolError,
@@ -24,19 +21,19 @@ from .errors import (
     is_interrupt,
     quiet_lost_interrupts,
 )
-from .maintainers import MAINTAINERS_COMMANDS, add_commands
+from .maintainers import MAINTAINERS_COMMANDS
 from .paths import repo_root
-from .plan import dry_run, tidying, would_apply
+from .plan import tidying
+from .preview import dry_run, would_apply
 from .report import file_report, status_json, status_lines
 from .series import stack_prefix
 from .state import APPLIED, NOT_APPLIED, NOT_FOR_TARGET, State
 from .target import find_target
-from .upstream import load_pin
 
 
 def _target(args, changes=False):
-    """The target of the command, locked for it (lock.py) until the command ends: exclusively
-    for one that `changes` it (apply, revert), shared for one that reads it."""
+    """The target of the command, locked for it (actions.locked) until the command ends:
+    exclusively for one that `changes` it (apply, revert), shared for one that reads it."""
     args.target = find_target(args.path, args.installed, args.python)
 
     def waiting():
@@ -121,112 +118,11 @@ def _done(*lines):
 
 
 def build_parser(maintainers=None):
-    """The argument parser: the commands for users, then, in a checkout of the patch set's
-    repository (or with `maintainers`), those for maintainers of the series."""
-    if maintainers is None:
-        maintainers = repo_root() is not None
-    parser = argparse.ArgumentParser(
-        prog="te-fusedadam-offload",
-        description=(
-            "Apply, check and revert the FusedAdam state_dict_cpu_offload patch series on a\n"
-            "TransformerEngine: the one installed in this Python (the default), the one of\n"
-            "another Python (--python), a source checkout, or a directory holding\n"
-            "transformer_engine/."
-            + (
-                " The commands marked [maintainers] make and check the series\nitself, in a "
-                "checkout of its repository."
-                if maintainers
-                else ""
-            )
-        ),
-        epilog=EXIT_CODES,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
-    pin = load_pin()
-    parser.add_argument(
-        "--version",
-        action="version",
-        version=(
-            f"%(prog)s {__version__} (the series for TE {pin['version']}, made against TE main "
-            f"{pin['main']['commit'][:9]})"
-        ),
-    )
-    quiet = (
-        "print nothing on standard output: the exit status tells (errors still go to standard "
-        "error)"
-    )
-    parser.add_argument("-q", "--quiet", action="store_true", help=quiet)
-    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
-
-    def add(name, func, help_text):
-        p = sub.add_parser(
-            name,
-            help=help_text,
-            description=textwrap.fill(" ".join(help_text.split()), 80),
-            epilog="exit status: 0 success; the others are listed by te-fusedadam-offload --help",
-            formatter_class=argparse.RawDescriptionHelpFormatter,
-        )
-        p.set_defaults(func=func)
-        return p
-
-    for name, func in (
-        ("apply", cmd_apply),
-        ("status", cmd_status),
-        ("check", cmd_check),
-        ("revert", cmd_revert),
-    ):
-        p = add(name, func, func.__doc__)
-        group = p.add_mutually_exclusive_group()
-        group.add_argument(
-            "path",
-            nargs="?",
-            help="a TE source checkout or a directory holding transformer_engine/",
-        )
-        group.add_argument(
-            "--installed",
-            action="store_true",
-            help="the TE installed in this Python environment (the default without a path)",
-        )
-        group.add_argument(
-            "--python",
-            metavar="PYTHON",
-            help=(
-                "the TE installed in the environment of this Python interpreter (for a "
-                "tool installed elsewhere, e.g. with pipx): --python /path/to/venv/bin/python"
-            ),
-        )
-        # Before or after the command; here without a default, which would undo one before.
-        p.add_argument("-q", "--quiet", action="store_true", default=argparse.SUPPRESS, help=quiet)
-        if name == "apply":
-            p.add_argument(
-                "--dry-run",
-                action="store_true",
-                help="print the diff that apply would make, and change nothing",
-            )
-            p.add_argument(
-                "--upto",
-                type=int,
-                metavar="N",
-                help=(
-                    "[maintainers] only the first N pull requests of the stack (to test them "
-                    "alone); a later apply without it replaces them with the whole stack"
-                ),
-            )
-        if name == "status":
-            p.add_argument("--json", action="store_true", help="print the report as JSON")
-        if name == "revert":
-            p.add_argument(
-                "--discard-edits",
-                action="store_true",
-                help=(
-                    "also write the saved original back over a file that was changed after "
-                    "apply patched it (that change is lost; revert names the file)"
-                ),
-            )
-
-    if maintainers:
-        add_commands(add)
-    return parser
+    """The argument parser (arguments.py): the users' commands, then, in a checkout of the
+    patch set's repository (or with `maintainers`), those for maintainers of the series."""
+    users = [("apply", cmd_apply), ("status", cmd_status), ("check", cmd_check)]
+    users.append(("revert", cmd_revert))
+    return parser(users, repo_root() is not None if maintainers is None else maintainers)
 
 
 def _on_sigint(signum, frame):  # pylint: disable=unused-argument

@@ -1,30 +1,26 @@
 """What apply and revert do to a target, decided from its State (state.py) alone: a Plan, which
-actions.py carries out, apply --dry-run shows as a diff and check sums up in one line. Nothing
-here reads or writes the target: what a decision needs, the State read once.
+actions.py carries out and preview.py shows (apply --dry-run, check). Nothing here reads or
+writes the target: what a decision needs, the State has read.
 
-A plan is its steps in order (Tidy, Write, Save, Forget, Drop on an installed TE or a
-directory; GitAm, GitReset on a git checkout), the line that the command prints once they are
-done, and, where the command refuses, the error that it raises instead (after the steps: only
-the tidying, where a refusal comes after it). What apply saved that this user cannot read is
-refused in one place, Backup.refuse_unreadable (saved.py): when the State reads the originals,
-and, in _checked, for a plan that writes over them or removes them, and for any revert."""
+A plan is its steps, in order; the line that the command prints once they are done; or, where
+the command refuses, the error that it raises instead, once the steps are done (the tidying
+only, where a refusal comes after it). What apply saved that this user cannot read is refused
+in one place, Backup.refuse_unreadable (saved.py), when the State reads the originals and, in
+_checked, for a plan that writes over them or removes them, and for any revert."""
 
 from collections import namedtuple
 from dataclasses import dataclass, field
 
+from . import report
 from .errors import NeedsError, ToolError
 from .patching import all_apply, failure, touched
-from .report import drift_message, edited_note, source_checkout_refusal, unified_diff
 from .saved import sha256
 from .series import commit_subject, patch_label
-from .state import APPLIED, DRIFTED, INTERRUPTED, NOT_APPLIED
+from .state import APPLIED, DRIFTED, NOT_APPLIED
 from .target import BACKUP_DIR, older_than_supported
 from .upstream import load_pin
 
 ALREADY = "already applied; nothing to do"
-APPLIED_WOULD = "nothing to do, the series is applied"
-DRIFTED_WOULD = "refuses a drifted TE; status says what drifted"
-
 
 # The steps of a plan, which actions.py carries out in order:
 # - Tidy(dirs, saved): remove the temporary files that a killed run left in `dirs`, and, if
@@ -51,137 +47,110 @@ GitReset = namedtuple("GitReset", "count")
 
 @dataclass
 class Plan:
-    """What a command does to `target`: see the module's docstring. `would`: what apply would
-    do, in a few words (check)."""
+    """What `action` (apply, revert) does to `target`: see the module's docstring."""
 
     target: object
     action: str
     steps: list = field(default_factory=list)
     message: str = ""
     refusal: Exception = None
-    would: str = ""
 
 
-def apply_plan(state):
-    """apply: a no-op if the series is applied; else the files it changes, written one by one,
-    each atomically, after the originals were saved (so that the next apply completes an
-    interrupted one); a git checkout gets the series as commits."""
+def apply_plan(state, dry=False):
+    """apply: a no-op if the series is applied; else the files that it changes, written one by
+    one, each atomically, after the originals were saved (so that the next apply completes an
+    interrupted one); a git checkout gets the series as commits (`dry`: as the dry run says it,
+    without the checks that git am needs)."""
     target = state.target
     if target.kind == "checkout":
-        return _apply_checkout(state)
+        return _apply_checkout(state, dry)
     target.refuse_leftover()
-    refusal = source_checkout_refusal(target, "apply")
+    refusal = report.source_checkout_refusal(target, "apply")
     if refusal:
-        return _refused(state, "apply", ToolError(refusal), f"refuses: {refusal}")
+        return _refused(state, "apply", ToolError(refusal))
     if state.saved and set(state.saved.values()) == {"original"}:  # they restore nothing
-        return _checked(
-            state, _tidied(state, "apply", [Forget()], _apply, state.forgetting_saved())
-        )
+        forgotten = state.forgetting_saved()
+        return _checked(state, _tidied(state, "apply", [Forget()], _apply, forgotten))
     return _checked(state, _tidied(state, "apply", [], _apply, state))
 
 
 def _apply(state):
-    target, args = state.target, state.target.args
+    target = state.target
     if state.from_saved:  # what apply saved is there: this version's, or another's
         return _complete(state) if state.this_version else _replace_other_version(state)
     if state.overall == APPLIED:
-        return _nothing(state, "apply", ALREADY, APPLIED_WOULD)
-    older = older_than_supported(state.te_version)
-    if state.overall == DRIFTED or older:
-        message = drift_message(target, state.rows, "apply", state.edited, found=state.te_version)
-        would = DRIFTED_WOULD
-        if state.edited:
-            would = f"refuses: {edited_note(state)}"
-        elif older:
-            would = f"refuses TE {state.te_version}, older than the releases the series supports"
-        return _refused(state, "apply", ToolError(message), would)
+        return Plan(target, "apply", message=ALREADY)
+    if state.overall == DRIFTED or older_than_supported(state.te_version):
+        why = report.drift_message(
+            target, state.rows, "apply", state.edited, found=state.te_version
+        )
+        return _refused(state, "apply", ToolError(why))
     originals, contents = state.changes()
     write = Write(contents, {rel: state.modes[rel] for rel in contents}, _digests(state), "apply")
     done = f"applied {len(state.relevant) - state.applied} patch(es) to {target.subtree}/"
-    would = f"the series is not in: te-fusedadam-offload apply {args} puts it in"
     if state.applied:
         done += f" (the first {state.applied} were applied already)"
-        would = f"completes the series: te-fusedadam-offload apply {args}"
     if state.saved:
         done += " (TE was reinstalled or upgraded since the last apply: saved its files afresh)"
     pin = load_pin()["version"]
     if state.te_version not in (None, pin):
         done += f" (note: found TE {state.te_version}; the series is made and tested for {pin})"
-    save = Save(originals, write, state.relevant, state.te_version)
-    return Plan(target, "apply", [save], done, would=would)
+    return Plan(target, "apply", [Save(originals, write, state.relevant, state.te_version)], done)
 
 
 def _complete(state):
     """Write the files that an interrupted apply of this version left original."""
     todo = [rel for rel, s in state.saved.items() if s == "original"]
     if not todo:
-        return _nothing(state, "apply", ALREADY, APPLIED_WOULD)
-    contents = state.after_saved()
-    modes = {rel: state.backup.mode(rel) for rel in todo}
+        return Plan(state.target, "apply", message=ALREADY)
+    contents, modes = state.after_saved(), {rel: state.backup.mode(rel) for rel in todo}
     write = Write({rel: contents[rel] for rel in todo}, modes, _digests(state), "apply")
     done = f"completed an interrupted apply ({len(todo)} file(s) written)"
-    would = f"completes the series: te-fusedadam-offload apply {state.target.args}"
-    return Plan(state.target, "apply", [write], done, would=would)
+    return Plan(state.target, "apply", [write], done)
 
 
 def _replace_other_version(state):
     """The target carries another version of the series (applied by another release of this
     tool, whose saved originals are there): put the originals back and apply this version,
     if it applies to them; else change nothing."""
-    target, results = state.target, state.saved_results()
+    results = state.saved_results()
     if not all_apply(results):
         patch, result = results[-1]
-        return _refused(
-            state,
-            "apply",
-            ToolError(
-                f"{target.subtree}/ carries another version of this series, and this version "
-                f"does not apply to the original files saved with it ({patch_label(patch)}: "
-                f"{failure(result, patch)}); nothing was changed. 'revert' restores the "
-                "originals."
-            ),
-            DRIFTED_WOULD,
-        )
+        why = report.other_version_refusal(state.target, patch_label(patch), failure(result, patch))
+        return _refused(state, "apply", ToolError(why))
     undo = _restore_saved(state)
-    restored = undo.steps[0]
-    try:
-        redo = _apply(state.forgetting_saved(restored.contents, restored.modes))
-    except ToolError as exc:  # raised once the originals are back, as it was found then
+    try:  # apply as the originals are, once back
+        redo = _apply(state.forgetting_saved(undo.steps[0].contents, undo.steps[0].modes))
+    except ToolError as exc:
         redo = _refused(state, "apply", exc)
     done = f"replaced another version of the series ({undo.message}): {redo.message}"
-    would = "replaces the other version of this series that is applied with this one"
-    return Plan(target, "apply", undo.steps + redo.steps, done, redo.refusal, would)
+    return Plan(state.target, "apply", undo.steps + redo.steps, done, redo.refusal)
 
 
-def _apply_checkout(state):
-    target, overall, patches = state.target, state.overall, state.relevant
-    if overall == APPLIED:
-        return _nothing(state, "apply", ALREADY, APPLIED_WOULD)
-    if overall == DRIFTED:
+def _apply_checkout(state, dry):
+    target, patches = state.target, state.relevant
+    if state.overall == APPLIED:
+        return Plan(target, "apply", message=ALREADY)
+    if state.overall == DRIFTED:
         return _refused(
-            state, "apply", ToolError(drift_message(target, state.rows, "apply")), DRIFTED_WOULD
+            state, "apply", ToolError(report.drift_message(target, state.rows, "apply"))
+        )
+    if dry:
+        return Plan(
+            target,
+            "apply",
+            [GitAm(patches, target.include)],
+            f"would apply {len(patches)} patches as commits with git am",
         )
     if state.uncommitted():
-        refusal = f"{target.root} has uncommitted changes; commit or stash them first"
-        return _refused(state, "apply", ToolError(refusal), f"refuses: {refusal}")
+        return _refused(state, "apply", ToolError(report.uncommitted_refusal(target)))
     if any(p not in state.series for p in patches):  # a compat patch: no commit message
-        refusal = (
-            f"{target.root} is a checkout of TE {state.te_version}, which needs a compat patch "
-            "before the series: a checkout gets the series as commits from TE 2.17.0 on; patch "
-            "its files in place instead (te-fusedadam-offload apply --installed, or a copy of "
-            f"its {target.subtree}/ directory)"
-        )
-        return _refused(state, "apply", ToolError(refusal), f"refuses: {refusal}")
+        return _refused(state, "apply", ToolError(report.compat_refusal(target, state.te_version)))
     done = f"applied {len(patches)} patches as commits with git am"
     if target.release_checkout:
-        done += (
-            f": their changes to {target.subtree}/ (the series' tests and docs are made against "
-            "TE main)"
-        )
-    would = f"the series is not in: te-fusedadam-offload apply {target.args} puts it in"
-    if overall == INTERRUPTED:
-        would = f"completes the series: te-fusedadam-offload apply {target.args}"
-    return Plan(target, "apply", [GitAm(patches, target.include)], done, would=would)
+        done += f": their changes to {target.subtree}/ (the series' tests and docs are made "
+        done += "against TE main)"
+    return Plan(target, "apply", [GitAm(patches, target.include)], done)
 
 
 def revert_plan(state, discard_edits=False):
@@ -193,16 +162,11 @@ def revert_plan(state, discard_edits=False):
     if target.kind == "checkout":
         return _revert_checkout(state)
     if target.leftover:
-        return _checked(
-            state,
-            Plan(
-                target,
-                "revert",
-                [Drop(leftover=True)],
-                "TE is not installed here; removed the original files that apply had saved, left "
-                f"behind in {target.subtree}/{BACKUP_DIR}/ when TE was uninstalled",
-            ),
+        done = (
+            "TE is not installed here; removed the original files that apply had saved, left "
+            f"behind in {target.subtree}/{BACKUP_DIR}/ when TE was uninstalled"
         )
+        return _checked(state, Plan(target, "revert", [Drop(leftover=True)], done))
     return _checked(state, _tidied(state, "revert", [], _revert, state, discard_edits))
 
 
@@ -218,31 +182,24 @@ def _revert(state, discard_edits):
     except NeedsError as exc:
         if not changed:
             raise
-        raise NeedsError(
-            f"{', '.join(changed)}: neither as apply wrote it nor the original that it saved; "
-            f"telling an edit from a reinstall of TE needs git ({exc}); or 'te-fusedadam-offload "
-            f"revert --discard-edits {target.args}' writes the saved originals back"
-        ) from exc
+        raise NeedsError(report.needs_git(target, changed, exc)) from exc
     if overall == NOT_APPLIED and state.saved:  # of a TE reinstalled or upgraded since
-        done = (
-            "not applied (TE was reinstalled or upgraded since the last apply); removed the "
-            "original files saved then"
-        )
-        return Plan(target, "revert", [Forget(f"could not remove {state.backup.dir}")], done)
+        forget = Forget(f"could not remove {state.backup.dir}")
+        done = "not applied (TE was reinstalled or upgraded since the last apply); removed the "
+        return Plan(target, "revert", [forget], done + "original files saved then")
     if overall == NOT_APPLIED:
-        return _nothing(state, "revert", "not applied; nothing to do")
-    refusal = source_checkout_refusal(target, "revert")
-    if refusal:
-        return _refused(state, "revert", ToolError(refusal))
-    if overall == DRIFTED:
-        message = drift_message(
-            target, state.rows, "revert", state.edited, bool(state.saved), state.te_version
+        return Plan(target, "revert", message="not applied; nothing to do")
+    refusal = report.source_checkout_refusal(target, "revert")
+    if refusal or overall == DRIFTED:
+        saved, found = bool(state.saved), state.te_version
+        why = refusal or report.drift_message(
+            target, state.rows, "revert", state.edited, saved, found
         )
-        return _refused(state, "revert", ToolError(message))
-    # Applied, or the first patches only, without saved originals: reverse what is applied.
+        return _refused(state, "revert", ToolError(why))
+    # Applied, or the first patches only, without saved originals: reverse what is applied,
+    # then remove what apply saved of another TE, if anything.
     contents = {rel: data for rel, data in state.before.items() if data != state.files.get(rel)}
-    modes = {rel: state.modes[rel] for rel in contents}
-    write = Write(contents, modes, _digests(state), "revert")  # then originals of another TE
+    write = Write(contents, {rel: state.modes[rel] for rel in contents}, _digests(state), "revert")
     return Plan(target, "revert", [write, Drop()], f"reverted {state.applied} patch(es)")
 
 
@@ -252,78 +209,38 @@ def _restore_saved(state, discard=()):
     backup = state.backup
     count = len(backup.patches() or ())  # how many patches made the saved state, if it says
     todo = [rel for rel, s in state.saved.items() if s == "patched" or rel in discard]
-    originals = backup.originals()
-    modes = {rel: backup.mode(rel) for rel in todo}
+    originals, modes = backup.originals(), {rel: backup.mode(rel) for rel in todo}
     write = Write({rel: originals[rel] for rel in todo}, modes, _digests(state), "revert")
-    forget = Forget(f"revert restored every file, but could not remove {backup.dir}")
+    steps = [write, Forget(f"revert restored every file, but could not remove {backup.dir}")]
     if not todo:
         done = "not applied; removed the saved originals that an interrupted run left"
-        return Plan(state.target, "revert", [write, forget], done)
+        return Plan(state.target, "revert", steps, done)
     done = (
         f"reverted {f'{count} patch(es)' if count else 'the series'}: restored the saved "
         f"original bytes and modes of {len(todo)} file(s)"
     )
     if discard:
         done += f"; discarded what was changed after apply in {', '.join(discard)}"
-    return Plan(state.target, "revert", [write, forget], done)
+    return Plan(state.target, "revert", steps, done)
 
 
 def _revert_checkout(state):
     target, patches = state.target, state.relevant
     if state.overall == NOT_APPLIED:
-        return _nothing(state, "revert", "not applied; nothing to do")
+        return Plan(target, "revert", message="not applied; nothing to do")
     if state.newest_commits(len(patches)) != [commit_subject(p) for p in patches]:
-        refusal = (
-            "the series' commits are not the newest commits of the checkout; revert them with "
-            "git revert"
-        )
-        return _refused(state, "revert", ToolError(refusal))
+        return _refused(state, "revert", ToolError(report.NOT_NEWEST))
     # Where git reset --keep would stop: changes to the files that the series' commits change.
     changed = state.uncommitted(*sorted({path for patch in patches for path in touched(patch)}))
     if changed:
-        refusal = (
-            f"{target.root} has uncommitted changes to files of the series "
-            f"({', '.join(changed)}); commit or stash them first"
-        )
-        return _refused(state, "revert", ToolError(refusal))
+        return _refused(state, "revert", ToolError(report.uncommitted_refusal(target, changed)))
     done = f"removed the {len(patches)} commits of the series"
     return Plan(target, "revert", [GitReset(len(patches))], done)
 
 
-def dry_run(state):
-    """(what apply would say, the unified diff of what it would change): its plan, shown and
-    not carried out. A checkout is not checked for uncommitted changes."""
-    target = state.target
-    if target.kind == "checkout":
-        if state.overall == APPLIED:
-            return ALREADY, ""
-        if state.overall == DRIFTED:
-            raise ToolError(drift_message(target, state.rows, "apply"))
-        contents = state.after if state.overall == NOT_APPLIED else {}
-        return f"would apply {len(state.relevant)} patches as commits with git am", unified_diff(
-            state.files, contents
-        )
-    plan = apply_plan(state)
-    if plan.refusal is not None:
-        raise plan.refusal
-    contents = {}
-    for step in plan.steps:
-        step = step.write if isinstance(step, Save) else step
-        contents.update(step.contents if isinstance(step, Write) else {})
-    return plan.message, unified_diff(state.files, contents)
-
-
-def would_apply(state):
-    """What apply would do, in a few words: its plan's, or the error that stops it."""
-    try:
-        return apply_plan(state).would
-    except ToolError as exc:
-        return f"refuses: {str(exc).splitlines()[0]}"
-
-
 def tidying(state):
     """The plan that removes what a killed run left, and nothing else."""
-    return Plan(state.target, "revert", [_tidy(state)])
+    return Plan(state.target, "apply", [_tidy(state)])
 
 
 def _tidy(state):
@@ -346,24 +263,17 @@ def _checked(state, plan):
     """Where what apply saved cannot be read by this user, the plan that needs it is refused
     (Backup.refuse_unreadable), changing nothing but the tidying: any revert (it writes it
     back or removes it); an apply that saves over it or removes it."""
-    touches = any(isinstance(step, (Save, Forget, Drop)) for step in plan.steps)
-    if plan.action == "revert" or touches:
+    if plan.action == "revert" or any(isinstance(s, (Save, Forget, Drop)) for s in plan.steps):
         try:
             state.backup.refuse_unreadable(plan.action)
         except ToolError as exc:
             tidy = [step for step in plan.steps if isinstance(step, Tidy)]
-            return Plan(plan.target, plan.action, tidy, refusal=exc, would=f"refuses: {exc}")
+            return Plan(plan.target, plan.action, tidy, refusal=exc)
     return plan
 
 
-def _nothing(state, action, message, would=""):
-    return Plan(state.target, action, message=message, would=would)
-
-
-def _refused(state, action, exc, would=""):
-    return Plan(
-        state.target, action, refusal=exc, would=would or f"refuses: {str(exc).splitlines()[0]}"
-    )
+def _refused(state, action, exc):
+    return Plan(state.target, action, refusal=exc)
 
 
 def _digests(state):

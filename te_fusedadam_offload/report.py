@@ -162,6 +162,55 @@ def _discard_edits(target):
     )
 
 
+# Why apply or revert refuses, beside drift (drift_message) and a source install
+# (source_checkout_refusal).
+
+
+def other_version_refusal(target, label, where):
+    """This version does not apply to the originals saved with another version (`label`: the
+    patch that stops, `where`: where)."""
+    return (
+        f"{target.subtree}/ carries another version of this series, and this version does not "
+        f"apply to the original files saved with it ({label}: {where}); nothing was changed. "
+        "'revert' restores the originals."
+    )
+
+
+def compat_refusal(target, found):
+    """A checkout of a release (`found`) that needs the compat patch first."""
+    return (
+        f"{target.root} is a checkout of TE {found}, which needs a compat patch before the "
+        "series: a checkout gets the series as commits from TE 2.17.0 on; patch its files in "
+        "place instead (te-fusedadam-offload apply --installed, or a copy of its "
+        f"{target.subtree}/ directory)"
+    )
+
+
+def uncommitted_refusal(target, changed=()):
+    """A checkout with uncommitted changes (to any tracked file, or to those of `changed`)."""
+    if not changed:
+        return f"{target.root} has uncommitted changes; commit or stash them first"
+    return (
+        f"{target.root} has uncommitted changes to files of the series ({', '.join(changed)}); "
+        "commit or stash them first"
+    )
+
+
+NOT_NEWEST = (
+    "the series' commits are not the newest commits of the checkout; revert them with git revert"
+)
+
+
+def needs_git(target, changed, exc):
+    """revert of `changed` files, neither as apply wrote them nor the saved originals, without
+    git (`exc`), which tells an edit from a reinstall."""
+    return (
+        f"{', '.join(changed)}: neither as apply wrote it nor the original that it saved; telling "
+        f"an edit from a reinstall of TE needs git ({exc}); or 'te-fusedadam-offload revert "
+        f"--discard-edits {target.args}' writes the saved originals back"
+    )
+
+
 def drift_message(target, rows, action, edited=(), saved=True, found=None):
     """Why `action` (apply, revert) cannot go on, the rows of the patches, and what to do;
     `saved`: whether apply saved originals there (revert writes back only those); `found`: the
