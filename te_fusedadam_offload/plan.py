@@ -64,10 +64,10 @@ def apply_plan(state, dry=False):
     target = state.target
     if target.kind == "checkout":
         return _apply_checkout(state, dry)
-    target.refuse_leftover()
-    refusal = report.source_checkout_refusal(target, "apply")
-    if refusal:
-        return _refused(state, "apply", ToolError(refusal))
+    if target.leftover:
+        target.refuse_leftover()
+    if state.source_checkout:
+        return _refused(state, "apply", ToolError(report.source_checkout_refusal(target, "apply")))
     if state.saved and set(state.saved.values()) == {"original"}:  # they restore nothing
         forgotten = state.forgetting_saved()
         return _checked(state, _tidied(state, "apply", [Forget()], _apply, forgotten))
@@ -139,7 +139,7 @@ def _apply_checkout(state, dry):
         return Plan(
             target,
             "apply",
-            [GitAm(patches, target.include)],
+            [GitAm(patches, state.include)],
             f"would apply {len(patches)} patches as commits with git am",
         )
     if state.uncommitted():
@@ -150,7 +150,7 @@ def _apply_checkout(state, dry):
     if target.release_checkout:
         done += f": their changes to {target.subtree}/ (the series' tests and docs are made "
         done += "against TE main)"
-    return Plan(target, "apply", [GitAm(patches, target.include)], done)
+    return Plan(target, "apply", [GitAm(patches, state.include)], done)
 
 
 def revert_plan(state, discard_edits=False):
@@ -189,7 +189,7 @@ def _revert(state, discard_edits):
         return Plan(target, "revert", [forget], done + "original files saved then")
     if overall == NOT_APPLIED:
         return Plan(target, "revert", message="not applied; nothing to do")
-    refusal = report.source_checkout_refusal(target, "revert")
+    refusal = state.source_checkout and report.source_checkout_refusal(target, "revert")
     if refusal or overall == DRIFTED:
         saved, found = bool(state.saved), state.te_version
         why = refusal or report.drift_message(

@@ -30,7 +30,7 @@ def would_apply(state):
     except ToolError as exc:
         return f"refuses: {str(exc).splitlines()[0]}"
     if plan.refusal is not None:
-        if state.target.source_checkout is None:  # a refusal of the files as they are
+        if state.source_checkout is None:  # a refusal of the files as they are
             if state.edited:
                 return f"refuses: {report.edited_note(state)}"
             if state.overall == NOT_APPLIED and older_than_supported(state.te_version):

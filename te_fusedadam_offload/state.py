@@ -26,31 +26,37 @@ NOT_FOR_TARGET = "not for this target"
 NOT_CHECKED = "not checked"
 
 
-def _read(target, series, action):
-    """(files, modes, what apply saved, TE release): all that a command reads of a target.
-    `files` ({path: bytes, or None where there is none}) and `modes` are those that the series,
-    the compat patches and apply's state.json name."""
+def _read(target, touched, action):
+    """(files, modes, what apply saved): all that a command reads of a target's files. `files`
+    ({path: bytes, or None where there is none}) and `modes` are those that the patches change
+    (`touched`: {patch: [path]}) and that apply's state.json names."""
     backup = Backup(target, action)
-    patches = [*patch_files(), *series, *compat_patches()]
-    names = {rel for patch in patches for rel in target.touches(patch)}
+    names = {rel for paths in touched.values() for rel in paths}
     files, modes = {}, {}
     for rel in sorted(names | set(load_checksums()) | set(backup.state or ())):
         path = target.root / rel
         files[rel] = path.read_bytes() if path.is_file() else None
         if files[rel] is not None:
             modes[rel] = path.stat().st_mode & 0o7777
-    return files, modes, backup, te_version(target)
+    return files, modes, backup
 
 
 class State:
     """The series (`patches`, default: all of it) on a target, read once for `action` (the
-    command, which a refusal names); `found`: what _read returns, where it is known."""
+    command, which a refusal names); `found`: what _read returns, where it is known (the files
+    as a plan will have written them)."""
 
     def __init__(self, target, patches=None, action="this command", found=None):
         self.target, self.action = target, action
         self.series = list(patch_files() if patches is None else patches)
-        found = found or _read(target, self.series, action)
-        self.files, self.modes, self.backup, self.te_version = found
+        # What the target is, asked of it once: the files that each patch changes there, the
+        # paths that git apply takes, whether an installed TE's files are a git checkout's,
+        # its TE release.
+        patches = [*patch_files(), *self.series, *compat_patches()]
+        self.touched = {patch: target.touches(patch) for patch in patches}
+        self.include, self.source_checkout = target.include, target.source_checkout
+        self.te_version = te_version(target)
+        self.files, self.modes, self.backup = found or _read(target, self.touched, action)
         self.saved = self.backup.states(self.files)  # {path: "original" | "patched" | "other"}
         # The saved originals are the files before the series while the target's files are
         # those or patched; then the recorded patches, if they are this series', say which
@@ -70,16 +76,15 @@ class State:
             {**self.files, **(written or {})},
             {**self.modes, **(modes or {})},
             Backup(self.target, self.action, read=False),
-            self.te_version,
         )
         return State(self.target, self.series, self.action, found)
 
     def _simulate(self, patches, reverse=False, originals=None):
         """patching.simulate of `patches` on the target's files (or their `originals`):
         (results, {path: bytes} after them, empty unless all apply)."""
-        names = dict.fromkeys(rel for patch in patches for rel in self.target.touches(patch))
+        names = dict.fromkeys(rel for patch in patches for rel in self.touched[patch])
         files = {rel: (originals or {}).get(rel, self.files.get(rel)) for rel in names}
-        results, contents = simulate(files, patches, self.target.include, reverse)
+        results, contents = simulate(files, patches, self.include, reverse)
         return results, contents or {}
 
     @cached_property
@@ -88,8 +93,8 @@ class State:
         files, then, for each compat patch that changes them too, that patch and the series.
         A compat patch makes a file of an older release read like the pinned one, so a patched
         file cannot tell which variant made it: the files before the series decide."""
-        chosen = [p for p in self.series if self.target.touches(p)]
-        compat = [c for c in compat_patches() if self.target.touches(c)] if chosen else []
+        chosen = [p for p in self.series if self.touched[p]]
+        compat = [c for c in compat_patches() if self.touched[c]] if chosen else []
         return [chosen] + [[c, *chosen] for c in compat]
 
     @cached_property
@@ -165,7 +170,8 @@ class State:
     @cached_property
     def _report(self):
         target = self.target
-        target.refuse_leftover()
+        if target.leftover:
+            target.refuse_leftover()
         relevant = self.relevant
         if not relevant:
             raise ToolError(f"no patch of the series changes anything in {target}")
@@ -194,7 +200,7 @@ class State:
         self.edited = self.changed_since_apply()
         if self.edited:
             for patch in relevant:
-                changed = [rel for rel in target.touches(patch) if rel in self.edited]
+                changed = [rel for rel in self.touched[patch] if rel in self.edited]
                 if changed:
                     rows[patch_label(patch)] = (
                         DRIFTED,
