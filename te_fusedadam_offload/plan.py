@@ -148,8 +148,10 @@ def _apply_checkout(state, dry):
         return _refused(state, "apply", ToolError(report.compat_refusal(target, state.te_version)))
     done = f"applied {len(patches)} patches as commits with git am"
     if target.release_checkout:
-        done += f": their changes to {target.subtree}/ (the series' tests and docs are made "
-        done += "against TE main)"
+        done += (
+            f": their changes to {target.subtree}/ (the series' tests and docs are made against "
+            "TE main)"
+        )
     return Plan(target, "apply", [GitAm(patches, state.include)], done)
 
 
@@ -184,9 +186,11 @@ def _revert(state, discard_edits):
             raise
         raise NeedsError(report.needs_git(target, changed, exc)) from exc
     if overall == NOT_APPLIED and state.saved:  # of a TE reinstalled or upgraded since
-        forget = Forget(f"could not remove {state.backup.dir}")
-        done = "not applied (TE was reinstalled or upgraded since the last apply); removed the "
-        return Plan(target, "revert", [forget], done + "original files saved then")
+        done = (
+            "not applied (TE was reinstalled or upgraded since the last apply); removed the "
+            "original files saved then"
+        )
+        return Plan(target, "revert", [Forget(f"could not remove {state.backup.dir}")], done)
     if overall == NOT_APPLIED:
         return Plan(target, "revert", message="not applied; nothing to do")
     refusal = state.source_checkout and report.source_checkout_refusal(target, "revert")
