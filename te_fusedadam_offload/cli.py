@@ -1,7 +1,6 @@
 """te-fusedadam-offload: the command line of the patch set; the users' commands (apply,
 status, check, revert), then the maintainers' (maintainers.py)."""
 
-import argparse
 import contextlib
 import io
 import json
@@ -10,35 +9,37 @@ import shutil
 import signal
 import sys
 import tempfile
-import textwrap
 
-from . import __version__
-from .actions import apply, dry_run, revert
+from .actions import apply, carry_out, locked, revert
+from .arguments import parser
 from .errors import (
-    EXIT_CODES,
     EXIT_INTERRUPTED,
     EXIT_USAGE,
     ToolError,
+    fault,
     interrupted_early,
     is_interrupt,
     quiet_lost_interrupts,
 )
-from .lock import locked
-from .maintainers import MAINTAINERS_COMMANDS, add_commands
+from .maintainers import MAINTAINERS_COMMANDS
 from .paths import repo_root
-from .saved import remove_stale_files
+from .plan import tidying
+from .preview import dry_run, would_apply
+from .report import file_report, status_json, status_lines
 from .series import stack_prefix
-from .report import file_report, notes
-from .state import APPLIED, DRIFTED, NOT_APPLIED, NOT_FOR_TARGET, State
-from .target import find_target, older_than_supported, te_version
-from .upstream import load_pin
+from .state import APPLIED, NOT_APPLIED, NOT_FOR_TARGET, State
+from .target import find_target
 
 
 def _target(args, changes=False):
-    """The target of the command, locked for it (lock.py) until the command ends: exclusively
-    for one that `changes` it (apply, revert), shared for one that reads it."""
+    """The target of the command, locked for it (actions.locked) until the command ends:
+    exclusively for one that `changes` it (apply, revert), shared for one that reads it."""
     args.target = find_target(args.path, args.installed, args.python)
-    args.stack.enter_context(locked(args.target, changes, args.command))
+
+    def waiting():
+        args.waited = True
+
+    args.stack.enter_context(locked(args.target, changes, args.command, waiting))
     args.locked = True
     return args.target
 
@@ -61,58 +62,25 @@ def cmd_status(args):
         if args.json:
             print(json.dumps({"error": str(exc), "exit_status": exc.code}, indent=2))
         raise
-    target = state.target
     if args.json:
-        rows, overall = state.rows, state.overall
-        report = {
-            "target": str(target.root),
-            "kind": target.kind,
-            "te_version": te_version(target),
-            "series_for": load_pin()["version"],
-            "status": overall,
-            "patches": [
-                {"patch": name, "state": state, "detail": detail} for name, state, detail in rows
-            ],
-            "files": [{"path": rel, "state": what} for rel, what in file_report(state)],
-            "notes": notes(state, overall),
-        }
+        report = status_json(state)
         print(json.dumps(report, indent=2))
-    else:
-        overall = _print_status(state)
-        left_out = sum(what == NOT_FOR_TARGET for _, what, _ in state.rows)
-        if left_out:
-            print(
-                f"  ({len(state.rows) - left_out} of the series' {len(state.rows)} patches change "
-                f"{target.subtree}/; the others are TE's tests and docs)"
-            )
-        for rel, what in file_report(state):
-            print(f"  {rel}: {what}")
-        for note in notes(state, overall):
-            print(f"note: {note}")
+        return 0 if report["status"] == APPLIED else 1
+    overall = _print_status(state)
+    for line in status_lines(state, overall):
+        print(line)
     return 0 if overall == APPLIED else 1
 
 
 def cmd_check(args):
     """Verify that the series is in, as a CI line does before training (te-fusedadam-offload
     check && train): exit 0 if it is applied, 1 if it is not (not applied, interrupted,
-    drifted), with what apply would do about it. apply --dry-run tells whether apply would
+    drifted), with one line on what apply would do. apply --dry-run tells whether apply would
     succeed."""
     state = State(_target(args))
-    overall, found = _print_status(state), te_version(state.target)
-    if overall == APPLIED:
-        return 0
-    if overall == NOT_APPLIED and older_than_supported(found):
-        print(f"  TE {found} is older than the releases the series supports; apply refuses it")
-    elif state.target.source_checkout or state.edited:
-        for note in notes(state, overall):
-            print(f"  {note}")
-    elif overall == DRIFTED and state.other_version:
-        print("  another version of this series is applied; apply replaces it")
-    elif overall == DRIFTED:
-        print("  apply refuses a drifted TE; status says what drifted")
-    else:
-        print(f"  the series is not in: te-fusedadam-offload apply {state.target.args} puts it in")
-    return 1
+    overall = _print_status(state)
+    print(f"  apply: {would_apply(state)}")
+    return 0 if overall == APPLIED else 1
 
 
 def cmd_apply(args):
@@ -120,7 +88,7 @@ def cmd_apply(args):
     change and change nothing."""
     target, patches = _target(args, changes=not args.dry_run), stack_prefix(args.upto)
     if args.dry_run:
-        message, diff = dry_run(target, patches)
+        message, diff = dry_run(State(target, patches, "apply"))
         sys.stdout.write(diff)
         print(f"dry run: {target}: apply would say: {message}; nothing was changed")
         return
@@ -143,118 +111,18 @@ def _done(*lines):
     """Print the lines that say a command changing files succeeded, once its work is done and
     read back: a Ctrl-C before them is reported as an interrupt (exit 130), one from here on is
     ignored, so that a success line is never followed by one."""
+    fault("done")
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     for line in lines:
         print(line)
 
 
 def build_parser(maintainers=None):
-    """The argument parser: the commands for users, then, in a checkout of the patch set's
-    repository (or with `maintainers`), those for maintainers of the series."""
-    if maintainers is None:
-        maintainers = repo_root() is not None
-    parser = argparse.ArgumentParser(
-        prog="te-fusedadam-offload",
-        description=(
-            "Apply, check and revert the FusedAdam state_dict_cpu_offload patch series on a\n"
-            "TransformerEngine: the one installed in this Python (the default), the one of\n"
-            "another Python (--python), a source checkout, or a directory holding\n"
-            "transformer_engine/."
-            + (
-                " The commands marked [maintainers] make and check the series\nitself, in a "
-                "checkout of its repository."
-                if maintainers
-                else ""
-            )
-        ),
-        epilog=EXIT_CODES,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
-    pin = load_pin()
-    parser.add_argument(
-        "--version",
-        action="version",
-        version=(
-            f"%(prog)s {__version__} (the series for TE {pin['version']}, made against TE main "
-            f"{pin['main']['commit'][:9]})"
-        ),
-    )
-    quiet = (
-        "print nothing on standard output: the exit status tells (errors still go to standard "
-        "error)"
-    )
-    parser.add_argument("-q", "--quiet", action="store_true", help=quiet)
-    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
-
-    def add(name, func, help_text):
-        p = sub.add_parser(
-            name,
-            help=help_text,
-            description=textwrap.fill(" ".join(help_text.split()), 80),
-            epilog="exit status: 0 success; the others are listed by te-fusedadam-offload --help",
-            formatter_class=argparse.RawDescriptionHelpFormatter,
-        )
-        p.set_defaults(func=func)
-        return p
-
-    for name, func in (
-        ("apply", cmd_apply),
-        ("status", cmd_status),
-        ("check", cmd_check),
-        ("revert", cmd_revert),
-    ):
-        p = add(name, func, func.__doc__)
-        group = p.add_mutually_exclusive_group()
-        group.add_argument(
-            "path",
-            nargs="?",
-            help="a TE source checkout or a directory holding transformer_engine/",
-        )
-        group.add_argument(
-            "--installed",
-            action="store_true",
-            help="the TE installed in this Python environment (the default without a path)",
-        )
-        group.add_argument(
-            "--python",
-            metavar="PYTHON",
-            help=(
-                "the TE installed in the environment of this Python interpreter (for a "
-                "tool installed elsewhere, e.g. with pipx): --python /path/to/venv/bin/python"
-            ),
-        )
-        # Before or after the command; here without a default, which would undo one before.
-        p.add_argument("-q", "--quiet", action="store_true", default=argparse.SUPPRESS, help=quiet)
-        if name == "apply":
-            p.add_argument(
-                "--dry-run",
-                action="store_true",
-                help="print the diff that apply would make, and change nothing",
-            )
-            p.add_argument(
-                "--upto",
-                type=int,
-                metavar="N",
-                help=(
-                    "[maintainers] only the first N pull requests of the stack (to test them "
-                    "alone); a later apply without it replaces them with the whole stack"
-                ),
-            )
-        if name == "status":
-            p.add_argument("--json", action="store_true", help="print the report as JSON")
-        if name == "revert":
-            p.add_argument(
-                "--discard-edits",
-                action="store_true",
-                help=(
-                    "also write the saved original back over a file that was changed after "
-                    "apply patched it (that change is lost; revert names the file)"
-                ),
-            )
-
-    if maintainers:
-        add_commands(add)
-    return parser
+    """The argument parser (arguments.py): the users' commands, then, in a checkout of the
+    patch set's repository (or with `maintainers`), those for maintainers of the series."""
+    users = [("apply", cmd_apply), ("status", cmd_status), ("check", cmd_check)]
+    users.append(("revert", cmd_revert))
+    return parser(users, repo_root() is not None if maintainers is None else maintainers)
 
 
 def _on_sigint(signum, frame):  # pylint: disable=unused-argument
@@ -269,12 +137,14 @@ def _interrupted(args):
     target = args.target
     if args.command not in ("apply", "revert") or getattr(args, "dry_run", False):
         return f"interrupted; nothing was changed ({args.command} only reads)"
-    if not getattr(args, "locked", False):
+    if getattr(args, "waited", False) and not getattr(args, "locked", False):
         return "interrupted while it waited for another run on the TE; nothing was changed"
+    if not getattr(args, "locked", False):  # found, but not yet locked: nothing read
+        return "interrupted before it read the TE; nothing was changed"
     try:
-        if target.kind != "checkout":
-            remove_stale_files(target)  # what the next apply or revert would remove first
         state = State(target)
+        if target.kind != "checkout":
+            carry_out(tidying(state))  # what the next apply or revert would remove first
         files = "; ".join(f"{rel}: {what}" for rel, what in file_report(state))
         return f"interrupted; {files} (status: {state.overall})"
     except ToolError as exc:

@@ -1,6 +1,9 @@
-"""Errors the tool reports to its user, each with the exit status of its kind."""
+"""Errors the tool reports to its user, each with the exit status of its kind; and the hook
+with which the crash tests make a run fail at a chosen point."""
 
 import errno
+import os
+import signal
 import sys
 
 # Exit statuses (also in the README and in `--help`).
@@ -87,3 +90,38 @@ def quiet_lost_interrupts():
 
     sys.unraisablehook = hook
     return previous
+
+
+# The crash tests' hook (tests/tool/test_crash_safety.py): a failure at a chosen point of a run.
+FAULT_ENV = "TE_FUSEDADAM_OFFLOAD_FAULT"
+_fault_counts = {}
+
+
+def fault(point):
+    """Test hook. With TE_FUSEDADAM_OFFLOAD_FAULT=POINT[#N]:ACTION the N-th time (default: the
+    first) that the tool reaches POINT it kills itself (ACTION "kill", SIGKILL), is interrupted
+    as by Ctrl-C ("int": SIGINT to its process group where it leads one, as a terminal sends
+    it, git included; else to itself) or fails as a full or broken disk would ("enospc",
+    "eio"). Points: "lock" (the target found, before its lock is taken), "scratch" (a scratch
+    copy of the target's files made, in $TMPDIR), "git" (a git process started), "write" (half
+    of a new file written), "replace" (a new file written and synced, before it replaces the
+    old one), "unlink" (before the saved originals are removed), "done" (apply's or revert's
+    work done and read back, before the line that says it succeeded)."""
+    spec = os.environ.get(FAULT_ENV)
+    if not spec:
+        return
+    where, _, action = spec.partition(":")
+    name, _, nth = where.partition("#")
+    if name != point:
+        return
+    _fault_counts[point] = _fault_counts.get(point, 0) + 1
+    if _fault_counts[point] != int(nth or 1):
+        return
+    if action == "int" and os.getpgrp() == os.getpid():
+        os.killpg(os.getpid(), signal.SIGINT)
+        return
+    if action in ("kill", "int"):
+        os.kill(os.getpid(), signal.SIGKILL if action == "kill" else signal.SIGINT)
+        return
+    code = {"enospc": errno.ENOSPC, "eio": errno.EIO}[action]
+    raise OSError(code, os.strerror(code))

@@ -1,16 +1,18 @@
 """git, and the ways the tool puts patches into a tree: `git apply` of patches in turn
 (apply_in_order, for every tree the tool patches or reads), or of all of them in one git
-process (apply_at_once, which the scratch copies of state.py try first), and `git am`
-(git_am, for a git repository that gets the series as commits). Nothing else runs them."""
+process (apply_at_once, which simulate tries first on a scratch copy of a target's files), and
+`git am` (git_am, for a git repository that gets the series as commits). Nothing else runs
+them."""
 
 import os
 import re
 import shutil
 import signal
 import subprocess
+import tempfile
 from pathlib import Path
 
-from .errors import NeedsError, ToolError
+from .errors import NeedsError, ToolError, fault
 from .series import hunk_headers, patch_label
 
 
@@ -42,6 +44,7 @@ def git(args, cwd, env=None, check=True, input_text=None, shielded=False):
         raise
     with proc:
         try:
+            fault("git")
             stdout, stderr = proc.communicate(input_text)
         except KeyboardInterrupt:
             if proc.stdin:  # the rest of the input is not written: end it
@@ -132,6 +135,37 @@ def failure(result, patch):
 def offsets(result):
     """The hunks that git apply -v applied at another line than the patch says."""
     return re.findall(r"Hunk #\d+ succeeded at \d+ \(offset -?\d+ lines?\)", result.stderr)
+
+
+def simulate(files, patches, include=(), reverse=False):
+    """git apply (or, with `reverse`, git apply -R) `patches` in turn to a scratch copy of
+    `files` ({path: bytes, or None for a file that is not there}), stopping at the first that
+    fails: ([(patch, git apply's result)], {path: bytes} of the files after them, those that
+    are there, if all apply, else None). Later patches of the series may change what earlier
+    ones changed, so only this order tells whether each applies. They are tried in one git
+    process first (apply_at_once); where that does not tell each patch's result (one of several
+    does not apply, or a hunk applies at an offset), they are applied one by one to a fresh
+    copy. `include`: as for apply_in_order."""
+    with tempfile.TemporaryDirectory() as tmp:
+        copy = _scratch_copy(files, Path(tmp) / "at-once")
+        fault("scratch")
+        results = apply_at_once(copy, patches, include, reverse)
+        if results is None:  # the copy holds what git left of it: start again from the files
+            copy = _scratch_copy(files, Path(tmp) / "in-turn")
+            results = list(apply_in_order(copy, patches, include, reverse))
+        if not all_apply(results):
+            return results, None
+        return results, {rel: (copy / rel).read_bytes() for rel in files if (copy / rel).is_file()}
+
+
+def _scratch_copy(files, scratch):
+    """A directory at `scratch` holding `files` ({path: bytes or None})."""
+    scratch.mkdir(parents=True)
+    for rel, data in files.items():
+        if data is not None:
+            (scratch / rel).parent.mkdir(parents=True, exist_ok=True)
+            (scratch / rel).write_bytes(data)
+    return scratch
 
 
 def git_am(repo, patches, env=None, what="git am", include=()):

@@ -1,8 +1,10 @@
 """What the tool tells a user about a target beyond the patches' states: what each file the
-series changes is, the notes that status prints, and why apply or revert refuse."""
+series changes is, what status prints besides the patches (text and JSON), the notes, why
+apply or revert refuse, and the diff that apply --dry-run shows."""
 
-from .errors import ToolError
-from .saved import file_digest
+import difflib
+
+from .saved import sha256
 from .series import load_checksums
 from .state import NOT_APPLIED, NOT_FOR_TARGET
 from .target import older_than_supported, supported_range, te_version
@@ -25,16 +27,15 @@ def file_report(state, overall=None):
     file (by its sha256 in patches/checksums), as this series makes it (from the state), and,
     where it is neither (as on another TE version), by what the series does to it (`overall`,
     default: the state's)."""
-    target = state.target
-    if target.leftover:
+    if state.target.leftover:
         return [(rel, "missing (TE was uninstalled)") for rel in sorted(load_checksums())]
     overall = overall or state.overall
-    pinned, found = load_pin()["version"], te_version(target)
+    pinned, found = load_pin()["version"], state.te_version
     other = found if found and found != pinned else None
     patched = state.patched_files(overall)
     report = []
     for rel, (released, _) in sorted(load_checksums().items()):
-        digest = file_digest(target.root / rel)
+        digest = sha256(state.files.get(rel))
         if rel in state.edited:
             report.append((rel, EDITED + " (the saved originals are kept)"))
         elif digest is None:
@@ -80,24 +81,77 @@ def file_report(state, overall=None):
 def notes(state, overall):
     """What the user should know beyond the state: an installed TE that is a git checkout's;
     TE reinstalled or upgraded over an apply; files edited after apply patched them."""
-    found = []
-    try:
-        state.target.refuse_source_checkout("apply")
-    except ToolError as exc:
-        found.append(str(exc))
-    if state.edited:
-        found.append(f"{', '.join(state.edited)} {EDITED}: {_discard_edits(state.target)}")
+    found = [
+        note
+        for note in (source_checkout_refusal(state.target, "apply"), edited_note(state))
+        if note
+    ]
     saved = state.saved
     if overall != NOT_APPLIED or not saved or "patched" in saved.values():
         return found
-    then = (state.backup.meta or {}).get("te_version")
-    now = te_version(state.target)
+    then, now = (state.backup.meta or {}).get("te_version"), state.te_version
     change = f" (TE {then} then, TE {now} now)" if then and now and then != now else ""
     return found + [
         f"the series was applied here and is not now{change}: TE was reinstalled or upgraded "
         "since (which undoes it), or an apply was stopped before it changed a file. Run apply "
         "again; it is idempotent: run it after every install or upgrade of TE"
     ]
+
+
+def edited_note(state):
+    """The note on the files edited after apply patched them, if any."""
+    if state.edited:
+        return f"{', '.join(state.edited)} {EDITED}: {_discard_edits(state.target)}"
+    return None
+
+
+def source_checkout_refusal(target, action):
+    """Why `action` refuses an installed TE whose files are a git checkout's (it would change
+    that checkout's working tree), with the command that does it there (as commits, with git
+    am, where the checkout is TE's own); None for another target."""
+    top = target.source_checkout
+    if top is None:
+        return None
+    lead = (
+        f"the TE at {target.root} is installed from a git checkout: its {target.subtree}/ is "
+        f"tracked by the git repository {top}, and {action} {target.args} would change that "
+        "repository's working tree"
+    )
+    if top == target.root:
+        how = "as commits (git am; revert removes them)" if action == "apply" else ""
+        return f"{lead}; {action} it there {how}: te-fusedadam-offload {action} {top}"
+    return (
+        f"{lead}; to change its files in place all the same, name the directory: "
+        f"te-fusedadam-offload {action} {target.root}"
+    )
+
+
+def status_lines(state, overall):
+    """What status prints after the patches: how many are left out, each file, the notes."""
+    left_out = sum(what == NOT_FOR_TARGET for _, what, _ in state.rows)
+    lines = []
+    if left_out:
+        lines.append(
+            f"  ({len(state.rows) - left_out} of the series' {len(state.rows)} patches change "
+            f"{state.target.subtree}/; the others are TE's tests and docs)"
+        )
+    lines += [f"  {rel}: {what}" for rel, what in file_report(state)]
+    return lines + [f"note: {note}" for note in notes(state, overall)]
+
+
+def status_json(state):
+    """What status --json prints: the report as one object."""
+    target, rows, overall = state.target, state.rows, state.overall
+    return {
+        "target": str(target.root),
+        "kind": target.kind,
+        "te_version": state.te_version,
+        "series_for": load_pin()["version"],
+        "status": overall,
+        "patches": [{"patch": name, "state": what, "detail": why} for name, what, why in rows],
+        "files": [{"path": rel, "state": what} for rel, what in file_report(state)],
+        "notes": notes(state, overall),
+    }
 
 
 def _discard_edits(target):
@@ -108,10 +162,60 @@ def _discard_edits(target):
     )
 
 
-def drift_message(target, rows, action, edited=(), saved=True):
+# Why apply or revert refuses, beside drift (drift_message) and a source install
+# (source_checkout_refusal).
+
+
+def other_version_refusal(target, label, where):
+    """This version does not apply to the originals saved with another version (`label`: the
+    patch that stops, `where`: where)."""
+    return (
+        f"{target.subtree}/ carries another version of this series, and this version does not "
+        f"apply to the original files saved with it ({label}: {where}); nothing was changed. "
+        "'revert' restores the originals."
+    )
+
+
+def compat_refusal(target, found):
+    """A checkout of a release (`found`) that needs the compat patch first."""
+    return (
+        f"{target.root} is a checkout of TE {found}, which needs a compat patch before the "
+        "series: a checkout gets the series as commits from TE 2.17.0 on; patch its files in "
+        "place instead (te-fusedadam-offload apply --installed, or a copy of its "
+        f"{target.subtree}/ directory)"
+    )
+
+
+def uncommitted_refusal(target, changed=()):
+    """A checkout with uncommitted changes (to any tracked file, or to those of `changed`)."""
+    if not changed:
+        return f"{target.root} has uncommitted changes; commit or stash them first"
+    return (
+        f"{target.root} has uncommitted changes to files of the series ({', '.join(changed)}); "
+        "commit or stash them first"
+    )
+
+
+NOT_NEWEST = (
+    "the series' commits are not the newest commits of the checkout; revert them with git revert"
+)
+
+
+def needs_git(target, changed, exc):
+    """revert of `changed` files, neither as apply wrote them nor the saved originals, without
+    git (`exc`), which tells an edit from a reinstall."""
+    return (
+        f"{', '.join(changed)}: neither as apply wrote it nor the original that it saved; telling "
+        f"an edit from a reinstall of TE needs git ({exc}); or 'te-fusedadam-offload revert "
+        f"--discard-edits {target.args}' writes the saved originals back"
+    )
+
+
+def drift_message(target, rows, action, edited=(), saved=True, found=None):
     """Why `action` (apply, revert) cannot go on, the rows of the patches, and what to do;
-    `saved`: whether apply saved originals there (revert writes back only those)."""
-    pin, found = load_pin(), te_version(target)
+    `saved`: whether apply saved originals there (revert writes back only those); `found`: the
+    TE release there (read if not given)."""
+    pin, found = load_pin(), found or te_version(target)
     oldest, pinned = supported_range()
     supported = f"TE {oldest} to {pinned}" if oldest != pinned else f"TE {pinned}"
     pip = f"{target.python or 'python'} -m pip install"
@@ -164,3 +268,21 @@ def drift_message(target, rows, action, edited=(), saved=True):
     ]
     lines.append(f"What to do: {advice}.")
     return "\n".join(lines)
+
+
+def unified_diff(files, contents):
+    """A unified diff (a/ and b/ paths) from `files` to `contents` ({path: bytes})."""
+    out = []
+    for rel, data in sorted(contents.items()):
+        before = files.get(rel) or b""
+        if before == data:
+            continue
+        out.extend(
+            difflib.unified_diff(
+                before.decode("utf-8").splitlines(keepends=True),
+                data.decode("utf-8").splitlines(keepends=True),
+                f"a/{rel}",
+                f"b/{rel}",
+            )
+        )
+    return "".join(out)

@@ -1,101 +1,31 @@
-"""Writing a user's TE safely, and what apply saves there.
+"""What apply saved in a target, as a command reads it, and the one rule for what this user
+cannot read there.
 
-An installed TE or a directory is changed file by file, each atomically: the new content is
-written to a temporary file beside the old one, synced, given the old file's mode and renamed
-over it. Before the first file is replaced, the original bytes and modes are saved in
-<subtree>/.te_fusedadam_offload/ (committed by writing its state.json last), and kept until a
-revert. So a run that is killed or fails at any point leaves every file either as it was or as
-the series makes it, the next apply completes an interrupted apply, and revert restores the
-exact original bytes and modes. state.json also records the digests of the files as the series
-made them and which patches made them, so that later commands read the state from it.
+Before it replaces a file of an installed TE or a directory, apply saves the original bytes and
+modes of the files it changes in <subtree>/.te_fusedadam_offload/ (actions.py writes them:
+the originals first, then state.json, which makes them count), and keeps them until a revert.
+state.json also records the digests of the files as the series made them and which patches
+made them, so that a later command reads the state from it:
+
+    {"files": {path: {"mode", "original", "patched"}}, "patches": [[label, sha256]],
+     "te_version"}
 """
 
-import errno
 import hashlib
 import json
-import os
-import shutil
-import signal
 from pathlib import Path
 
 from .errors import ToolError
-from .series import patch_files, patch_label
-from .target import BACKUP_DIR, te_version
-from .upstream import sha256_of
+from .series import patch_label
+from .target import BACKUP_DIR
 
-# {"files": {path: {"mode", "original", "patched"}}, "patches": [[label, sha256]],
-#  "te_version"}; written last.
 STATE_FILE = "state.json"
-TMP_SUFFIX = ".te-fusedadam-offload.tmp"
-FAULT_ENV = "TE_FUSEDADAM_OFFLOAD_FAULT"
-_fault_counts = {}
-
-
-def fault(point):
-    """Test hook. With TE_FUSEDADAM_OFFLOAD_FAULT=POINT[#N]:ACTION the N-th time (default: the
-    first) that the tool reaches POINT it kills itself (ACTION "kill", SIGKILL), interrupts
-    itself as Ctrl-C does ("int", SIGINT) or fails as a full or broken disk would ("enospc",
-    "eio"). Points: "write" (half of a new file written), "replace" (a new file written and
-    synced, before it replaces the old one), "unlink" (before the saved originals are
-    removed), "scratch" (a scratch copy of the target's files made, in $TMPDIR)."""
-    spec = os.environ.get(FAULT_ENV)
-    if not spec:
-        return
-    where, _, action = spec.partition(":")
-    name, _, nth = where.partition("#")
-    if name != point:
-        return
-    _fault_counts[point] = _fault_counts.get(point, 0) + 1
-    if _fault_counts[point] != int(nth or 1):
-        return
-    if action in ("kill", "int"):
-        os.kill(os.getpid(), signal.SIGKILL if action == "kill" else signal.SIGINT)
-        return
-    code = {"enospc": errno.ENOSPC, "eio": errno.EIO}[action]
-    raise OSError(code, os.strerror(code))
-
-
-def _sync_dir(path):
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def write_file(path, data, mode):
-    """Replace (or create) `path` with `data` and `mode`, atomically."""
-    path = Path(path)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}{TMP_SUFFIX}")
-    try:
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-        with os.fdopen(fd, "wb") as f:
-            f.write(data[: len(data) // 2])
-            f.flush()
-            fault("write")
-            f.write(data[len(data) // 2 :])
-            f.flush()
-            os.fsync(f.fileno())
-        os.chmod(tmp, mode)
-        fault("replace")
-        os.replace(tmp, path)
-    except BaseException:
-        try:
-            tmp.unlink()
-        except OSError:
-            pass
-        raise
-    _sync_dir(path.parent)
+TMP_SUFFIX = ".te-fusedadam-offload.tmp"  # a file being written beside the one it replaces
 
 
 def sha256(data):
-    """Hex sha256 of bytes."""
-    return hashlib.sha256(data).hexdigest()
-
-
-def file_digest(path):
-    """sha256 of a file, or None if there is none."""
-    return sha256_of(path) if Path(path).is_file() else None
+    """Hex sha256 of bytes (or None for None: no file)."""
+    return None if data is None else hashlib.sha256(data).hexdigest()
 
 
 def patch_ids(patches):
@@ -103,38 +33,39 @@ def patch_ids(patches):
     return [[patch_label(p), sha256(Path(p).read_bytes())] for p in patches]
 
 
-def modes(target, paths):
-    """{path: permission bits} of the target's files."""
-    return {rel: (target.root / rel).stat().st_mode & 0o7777 for rel in paths}
-
-
 class Backup:
-    """The original bytes and modes of the files that the series changes in a target, saved
-    in <root>/<subtree>/.te_fusedadam_offload/ by apply and removed by revert."""
+    """What apply saved in a target, read once (`read`: else as where nothing is saved): `state`
+    and `meta` (state.json's "files" and all of it) where state.json and every original it
+    lists are there and whole, else None (a run stopped before it wrote state.json: they do
+    not count, and `stale` says whether they are left to remove). What this user may not read
+    (apply saved it as another user) is `unreadable`: never taken for stale, and needed by a
+    command that reads, writes over or removes what was saved, which refuses
+    (refuse_unreadable)."""
 
-    def __init__(self, target):
-        self.target = target
+    def __init__(self, target, action="this command", read=True):
         self.dir = target.root / target.subtree / BACKUP_DIR
-        self.state = self.meta = None
-        # What this user may not read (PermissionError): saved by another user. Never taken
-        # for stale; what needs it is refused (refuse_unreadable). A dry run's scratch copy
-        # carries that of the target it copies.
-        self.unreadable = getattr(target, "unreadable_backup", None)
+        self.action = action  # the command, for its refusal
+        self.state = self.meta = self.unreadable = None
+        self._originals = {}
+        if not read:
+            self.stale = False
+            return
         try:
             meta = json.loads((self.dir / STATE_FILE).read_text(encoding="utf-8"))
-            state = meta["files"]
-            found = [self.original(rel, state) for rel in state]
+            found = {
+                rel: self._read(rel, entry["original"]) for rel, entry in meta["files"].items()
+            }
             # state.json is written last: where an original cannot be read, it counts.
-            if self.unreadable or all(data is not None for data in found):
-                self.state, self.meta = state, meta
+            if self.unreadable or all(data is not None for data in found.values()):
+                self.state, self.meta, self._originals = meta["files"], meta, found
         except PermissionError as exc:
             self.unreadable = exc
-        except (OSError, ValueError, KeyError, TypeError):
+        except (OSError, ValueError, KeyError, TypeError, AttributeError):
             pass  # none, or not complete: no file was replaced after it
+        self.stale = self.state is None and self.unreadable is None and self.dir.is_dir()
 
-    def original(self, rel, state=None):
-        """The saved original bytes of `rel`, or None if they are not (all) there."""
-        state = state or self.state
+    def _read(self, rel, digest):
+        """The saved original bytes of `rel` if they are there and have `digest`, else None."""
         try:
             data = (self.dir / "original" / rel).read_bytes()
         except PermissionError as exc:
@@ -142,13 +73,13 @@ class Backup:
             return None
         except OSError:
             return None
-        return data if sha256(data) == state[rel]["original"] else None
+        return data if sha256(data) == digest else None
 
-    def refuse_unreadable(self, action="this command"):
-        """Raise ToolError if some of what apply saved cannot be read by this user: `action`
-        needs it (or would change it) and changes nothing."""
+    def refuse_unreadable(self, action=None):
+        """The rule for what apply saved that this user cannot read: raise ToolError if some of
+        it is, as `action` (default: the command's) needs it, and changes nothing."""
         if self.unreadable is not None:
-            exc = self.unreadable
+            exc, action = self.unreadable, action or self.action
             raise ToolError(
                 f"cannot read {exc.filename or self.dir}: {exc.strerror or exc} (apply saved it "
                 f"as another user); {action} needs it: run {action} as that user, or as one who "
@@ -156,123 +87,27 @@ class Backup:
             )
 
     def originals(self):
-        """{path: saved original bytes}."""
+        """{path: saved original bytes}; refused where some cannot be read."""
         self.refuse_unreadable()
-        return {rel: self.original(rel) for rel in self.state}
+        return dict(self._originals)
 
-    def states(self):
-        """{path: "original" | "patched" | "other"} of the saved files, or None if none."""
+    def mode(self, rel):
+        """The saved mode of `rel`."""
+        return self.state[rel]["mode"]
+
+    def states(self, files):
+        """{path: "original" | "patched" | "other"} of the saved files, by the digests of
+        `files` ({path: bytes or None}, as the target has them), or None if none are saved."""
         if self.state is None:
             return None
-        found = {}
-        for rel, entry in self.state.items():
-            digest = file_digest(self.target.root / rel)
-            found[rel] = {entry["original"]: "original", entry["patched"]: "patched"}.get(
-                digest, "other"
+        return {
+            rel: {entry["original"]: "original", entry["patched"]: "patched"}.get(
+                sha256(files.get(rel)), "other"
             )
-        return found
+            for rel, entry in self.state.items()
+        }
 
     def patches(self):
         """patch_ids() of the patches that made the saved "patched" digests, or None where
         state.json does not say (written by an earlier version of this tool)."""
         return (self.meta or {}).get("patches")
-
-    def save(self, originals, file_modes, contents, patches):
-        """Save the originals; the state file, written last, makes them count."""
-        for rel, data in originals.items():
-            path = self.dir / "original" / rel
-            path.parent.mkdir(parents=True, exist_ok=True)
-            write_file(path, data, file_modes[rel] & 0o666)  # readable by whoever reads the file
-        state = {
-            rel: {
-                "mode": file_modes[rel],
-                "original": sha256(originals[rel]),
-                "patched": sha256(contents[rel]),
-            }
-            for rel in originals
-        }
-        meta = {"files": state, "te_version": te_version(self.target)}
-        meta["patches"] = patch_ids(patches)
-        text = json.dumps(meta, indent=1, sort_keys=True) + "\n"
-        write_file(self.dir / STATE_FILE, text.encode("utf-8"), 0o644)
-        self.state, self.meta = state, meta
-
-    def remove(self):
-        """Forget the originals: the state file first, then the rest."""
-        self.refuse_unreadable()
-        fault("unlink")
-        (self.dir / STATE_FILE).unlink(missing_ok=True)
-        _sync_dir(self.dir)
-        shutil.rmtree(self.dir)
-        self.state = None
-
-
-def remove_stale_files(target):
-    """Temporary files that a killed run left, and saved originals that no state file counts."""
-    dirs = {(target.root / rel).parent for p in patch_files() for rel in target.touches(p)}
-    backup = Backup(target)
-    dirs.add(backup.dir)
-    for directory in dirs:
-        for stale in directory.glob(f".*{TMP_SUFFIX}"):
-            try:
-                stale.unlink()
-            except PermissionError:
-                pass  # another user's, in a directory that this one cannot write: harmless
-    if backup.state is None and backup.unreadable is None and backup.dir.is_dir():
-        shutil.rmtree(backup.dir)
-
-
-def write_files(target, contents, file_modes, action):
-    """Write `contents` ({path: bytes}) into the target; if that fails, say what it left."""
-    before = {rel: file_digest(target.root / rel) for rel in contents}
-    for rel, data in contents.items():
-        try:
-            write_file(target.root / rel, data, file_modes[rel])
-        except OSError as exc:
-            raise ToolError(
-                f"{action} stopped: {exc.strerror or exc} while writing {target.root / rel}; "
-                + checked_state(target, before, contents)
-            ) from exc
-
-
-def replace_files(backup, originals, contents, patches):
-    """Save the `originals` ({path: bytes}) in `backup`, then write `contents` (what `patches`
-    make of them) over the target's files with their modes: the commit protocol of apply. If
-    saving fails, nothing was replaced and nothing is kept; if writing fails before any file
-    was replaced, the saved originals are forgotten; either way ToolError says what the files
-    are, read back."""
-    target = backup.target
-    file_modes = modes(target, contents)
-    try:
-        backup.save(originals, file_modes, contents, patches)
-    except OSError as exc:
-        shutil.rmtree(backup.dir, ignore_errors=True)  # not committed: no file was replaced
-        before = {rel: sha256(data) for rel, data in originals.items()}
-        raise ToolError(
-            f"apply stopped: {exc.strerror or exc} while saving the originals in {backup.dir}; "
-            + checked_state(target, before, contents)
-        ) from exc
-    try:
-        write_files(target, contents, file_modes, "apply")
-    except ToolError:
-        if set(backup.states().values()) == {"original"}:  # no file replaced: forget them
-            try:
-                backup.remove()
-            except OSError:
-                pass
-        raise
-
-
-def checked_state(target, before, contents):
-    """What the files are now, read back after a failure: as before, or written."""
-    now = {}
-    for rel, data in contents.items():
-        digest = file_digest(target.root / rel)
-        if digest == before[rel]:
-            now[rel] = "as before"
-        else:
-            now[rel] = "written" if digest == sha256(data) else "changed otherwise"
-    if set(now.values()) == {"as before"}:
-        return "nothing was changed (checked)"
-    listing = ", ".join(f"{rel}: {state}" for rel, state in sorted(now.items()))
-    return f"checked: {listing}; run apply again to complete the series, or revert to undo it"

@@ -167,3 +167,17 @@ def hunk_headers(patch_file):
         if m and path:
             headers[(path, int(m.group(1)))] = line
     return headers
+
+
+def commit_subject(patch):
+    """The commit title that `git am --keep-non-patch` makes of a patch."""
+    lines = Path(patch).read_text(encoding="utf-8").splitlines()
+    for i, line in enumerate(lines):
+        if line.startswith("Subject: "):
+            subject = line[len("Subject: ") :]
+            for more in lines[i + 1 :]:  # folded header lines
+                if not more.startswith((" ", "\t")):
+                    break
+                subject += more
+            return re.sub(r"^\[PATCH[^\]]*\] ", "", subject)
+    return ""

@@ -1,24 +1,24 @@
-"""What the series is on a target, found once per command: the one answer to "is it applied?".
+"""What the series is on a target, read once per command: the one answer to "is it applied?".
 
-A State reads the digests that apply saved in state.json where they are there and were made by
-this series (the patches it records, or the series applied to the saved originals, give
-them); only without them does it apply the patches, in series order, to a scratch copy of the
-target's files (forward: not applied; backward: applied). Each part is found when it is
-first asked for, and once: the rows and overall state that status prints, which patches the
-target takes (the compat patch its release needs first, if any), the files before and after
+A State reads, once, the target's files that the series changes (their bytes and modes), what
+apply saved there (saved.py) and the TE release; nothing else of the target is read after
+(but, for a git checkout, what git says of its commits and changes, when a plan asks). From
+those bytes it finds each answer when first asked for, and once: from the digests that apply
+recorded in state.json where they are there and were made by this series (the patches it
+records, or the series applied to the saved originals, give them); only without them by
+applying the patches, in series order, to a scratch copy of the bytes (forward: not applied;
+backward: applied). The answers: the rows and overall state that status prints, which patches
+the target takes (the compat patch its release needs first, if any), the files before and after
 the series that apply and revert write, and whether another version of the series is there.
 """
 
-import shutil
-import tempfile
 from functools import cached_property
-from pathlib import Path
 
 from .errors import ToolError
-from .patching import all_apply, failure, offsets
-from .saved import Backup, fault, patch_ids, sha256
-from .series import compat_patches, patch_files, patch_label
-from .target import Target, older_than_supported, supported_range, te_version
+from .patching import all_apply, failure, git, offsets, simulate
+from .saved import Backup, patch_ids, sha256
+from .series import compat_patches, load_checksums, patch_files, patch_label
+from .target import older_than_supported, supported_range, te_version
 
 APPLIED, NOT_APPLIED, DRIFTED = "applied", "not applied", "drifted"
 INTERRUPTED = "interrupted"
@@ -26,53 +26,38 @@ NOT_FOR_TARGET = "not for this target"
 NOT_CHECKED = "not checked"
 
 
-def _scratch_copy(target, files, originals, scratch):
-    """A Target at `scratch` holding a copy of the target's `files` (or their `originals`)."""
-    (scratch / target.subtree).mkdir(parents=True)
-    for rel in files:
-        src, dst = target.root / rel, scratch / rel
-        dst.parent.mkdir(parents=True, exist_ok=True)
-        if originals is not None and rel in originals:
-            dst.write_bytes(originals[rel])
-        elif src.is_file():
-            shutil.copyfile(src, dst)
-    # A checkout of a release takes what a tree takes (Target.release_checkout).
-    return Target(scratch, "tree" if target.release_checkout else target.kind)
-
-
-def simulate(target, patches, reverse=False, originals=None, contents=None):
-    """git apply (or, with `reverse`, git apply -R) `patches` in turn to a scratch copy of the
-    files they change, stopping at the first that fails; [(patch, git apply's result)]. Later
-    patches of the series may change what earlier ones changed, so only this order tells
-    whether each applies. They are tried in one git process first (apply_at_once); where that
-    does not tell each patch's result (one of several does not apply, or a hunk applies at
-    an offset), they are applied one by one to a fresh copy. The target is not touched.
-    `originals` ({path: bytes}) stand in for the target's files; if all patches apply,
-    `contents` (a dict) gets {path: bytes} of the files after them (those that are there:
-    not a new file after its patch is reversed)."""
-    files = list(dict.fromkeys(rel for patch in patches for rel in target.touches(patch)))
-    with tempfile.TemporaryDirectory() as tmp:
-        copy = _scratch_copy(target, files, originals, Path(tmp) / "at-once")
-        fault("scratch")
-        results = copy.apply_patches_at_once(patches, reverse)
-        if results is None:  # the copy holds what git left of it: start again from the target
-            copy = _scratch_copy(target, files, originals, Path(tmp) / "in-turn")
-            results = list(copy.apply_patches(patches, reverse))
-        scratch = copy.root
-        if contents is not None and all_apply(results):
-            files = [rel for rel in files if (scratch / rel).is_file()]
-            contents.update({rel: (scratch / rel).read_bytes() for rel in files})
-    return results
+def _read(target, touched, action):
+    """(files, modes, what apply saved): all that a command reads of a target's files. `files`
+    ({path: bytes, or None where there is none}) and `modes` are those that the patches change
+    (`touched`: {patch: [path]}) and that apply's state.json names."""
+    backup = Backup(target, action)
+    names = {rel for paths in touched.values() for rel in paths}
+    files, modes = {}, {}
+    for rel in sorted(names | set(load_checksums()) | set(backup.state or ())):
+        path = target.root / rel
+        files[rel] = path.read_bytes() if path.is_file() else None
+        if files[rel] is not None:
+            modes[rel] = path.stat().st_mode & 0o7777
+    return files, modes, backup
 
 
 class State:
-    """The series (`patches`, default: all of it) on a target, found once."""
+    """The series (`patches`, default: all of it) on a target, read once for `action` (the
+    command, which a refusal names); `found`: what _read returns, where it is known (the files
+    as a plan will have written them)."""
 
-    def __init__(self, target, patches=None):
-        self.target = target
+    def __init__(self, target, patches=None, action="this command", found=None):
+        self.target, self.action = target, action
         self.series = list(patch_files() if patches is None else patches)
-        self.backup = Backup(target)
-        self.saved = self.backup.states()  # {path: "original" | "patched" | "other"} or None
+        # What the target is, asked of it once: the files that each patch changes there, the
+        # paths that git apply takes, whether an installed TE's files are a git checkout's,
+        # its TE release.
+        patches = [*patch_files(), *self.series, *compat_patches()]
+        self.touched = {patch: target.touches(patch) for patch in patches}
+        self.include, self.source_checkout = target.include, target.source_checkout
+        self.te_version = te_version(target)
+        self.files, self.modes, self.backup = found or _read(target, self.touched, action)
+        self.saved = self.backup.states(self.files)  # {path: "original" | "patched" | "other"}
         # The saved originals are the files before the series while the target's files are
         # those or patched; then the recorded patches, if they are this series', say which
         # patches the target takes, else the variant that applies to the originals.
@@ -84,14 +69,32 @@ class State:
         self.before = {}  # {path: bytes}: the files before `relevant`, where it found them
         self.after = {}  # and after the whole of `relevant`
 
+    def forgetting_saved(self, written=None, modes=None):
+        """The State of this target once what apply saved is removed (and `written`, {path:
+        bytes}, written with `modes`): what a new read would find, from these bytes."""
+        found = (
+            {**self.files, **(written or {})},
+            {**self.modes, **(modes or {})},
+            Backup(self.target, self.action, read=False),
+        )
+        return State(self.target, self.series, self.action, found)
+
+    def _simulate(self, patches, reverse=False, originals=None):
+        """patching.simulate of `patches` on the target's files (or their `originals`):
+        (results, {path: bytes} after them, empty unless all apply)."""
+        names = dict.fromkeys(rel for patch in patches for rel in self.touched[patch])
+        files = {rel: (originals or {}).get(rel, self.files.get(rel)) for rel in names}
+        results, contents = simulate(files, patches, self.include, reverse)
+        return results, contents or {}
+
     @cached_property
     def variants(self):
         """The lists of patches the target may take: the series' patches that change its
         files, then, for each compat patch that changes them too, that patch and the series.
         A compat patch makes a file of an older release read like the pinned one, so a patched
         file cannot tell which variant made it: the files before the series decide."""
-        chosen = [p for p in self.series if self.target.touches(p)]
-        compat = [c for c in compat_patches() if self.target.touches(c)] if chosen else []
+        chosen = [p for p in self.series if self.touched[p]]
+        compat = [c for c in compat_patches() if self.touched[c]] if chosen else []
         return [chosen] + [[c, *chosen] for c in compat]
 
     @cached_property
@@ -105,8 +108,7 @@ class State:
         originals = self.backup.originals() if self.from_saved else None
         first = None
         for variant in self.variants:
-            contents = {}
-            results = simulate(self.target, variant, originals=originals, contents=contents)
+            results, contents = self._simulate(variant, originals=originals)
             if all_apply(results):
                 return variant, results, contents
             first = first or (variant, results, contents)
@@ -122,8 +124,7 @@ class State:
         """(results, contents after) of `relevant` applied to the target's files."""
         if not self.from_saved:  # the variant was chosen on the target's files
             return self._variant[1:]
-        contents = {}
-        return simulate(self.target, self.relevant, contents=contents), contents
+        return self._simulate(self.relevant)
 
     @cached_property
     def this_version(self):
@@ -154,9 +155,7 @@ class State:
         """{path: bytes}: this series applied to the saved originals."""
         if self._variant[2] is not None:
             return self._variant[2]
-        contents = {}
-        simulate(self.target, self.relevant, originals=self.backup.originals(), contents=contents)
-        return contents
+        return self._simulate(self.relevant, originals=self.backup.originals())[1]
 
     @property
     def rows(self):
@@ -171,7 +170,8 @@ class State:
     @cached_property
     def _report(self):
         target = self.target
-        target.refuse_leftover()
+        if target.leftover:
+            target.refuse_leftover()
         relevant = self.relevant
         if not relevant:
             raise ToolError(f"no patch of the series changes anything in {target}")
@@ -181,23 +181,17 @@ class State:
             for p in patches
         }
 
-        def report(overall):
+        def report(overall, states=None):
+            rows.update({patch_label(p): (state, "") for p, state in (states or {}).items()})
             return [(patch_label(p), *rows[patch_label(p)]) for p in patches], overall
 
         saved = set((self.saved or {}).values())
         if saved == {"original", "patched"}:
-            for patch in relevant:
-                rows[patch_label(patch)] = (
-                    INTERRUPTED,
-                    (
-                        "an apply or revert was interrupted: run apply to complete the series, or "
-                        "revert"
-                    ),
-                )
+            why = "an apply or revert was interrupted: run apply to complete the series, or revert"
+            rows.update({patch_label(p): (INTERRUPTED, why) for p in relevant})
             return report(INTERRUPTED)
         if saved == {"patched"} and self.this_version:
-            rows.update({patch_label(p): (APPLIED, "") for p in relevant})
-            return report(APPLIED)
+            return report(APPLIED, dict.fromkeys(relevant, APPLIED))
         forward, self.after = self.forward
         if all_apply(forward):
             for patch, result in forward:
@@ -206,23 +200,24 @@ class State:
         self.edited = self.changed_since_apply()
         if self.edited:
             for patch in relevant:
-                changed = [rel for rel in target.touches(patch) if rel in self.edited]
+                changed = [rel for rel in self.touched[patch] if rel in self.edited]
                 if changed:
                     rows[patch_label(patch)] = (
                         DRIFTED,
                         f"{', '.join(changed)}: changed after apply",
                     )
             return report(DRIFTED)
-        if all_apply(simulate(target, relevant[::-1], True, contents=self.before)):
-            self.applied = len(relevant)
-            rows.update({patch_label(p): (APPLIED, "") for p in relevant})
-            return report(APPLIED)
+        results, before = self._simulate(relevant[::-1], reverse=True)
+        if all_apply(results):
+            self.before, self.applied = before, len(relevant)
+            return report(APPLIED, dict.fromkeys(relevant, APPLIED))
         self.applied = self._applied_prefix()
         if self.applied:  # the series is in part (an earlier version of this tool was stopped)
-            for i, patch in enumerate(relevant):
-                rows[patch_label(patch)] = (APPLIED if i < self.applied else NOT_APPLIED, "")
-            return report(INTERRUPTED)
-        found = te_version(target)
+            states = {
+                p: APPLIED if i < self.applied else NOT_APPLIED for i, p in enumerate(relevant)
+            }
+            return report(INTERRUPTED, states)
+        found = self.te_version
         if older_than_supported(found) and not self.saved:
             # A release the series was never made for: not "drifted" (the word for files
             # changed since), but not applied, with why apply refuses it.
@@ -230,13 +225,8 @@ class State:
             rows.update({patch_label(p): (NOT_APPLIED, "") for p in relevant})
             for patch, result in forward:
                 why = "" if result.returncode == 0 else f": {failure(result, patch)}"
-                rows[patch_label(patch)] = (
-                    NOT_APPLIED,
-                    (
-                        f"TE {found} is older than the releases the series supports, {oldest} to "
-                        f"{pinned}{why}"
-                    ),
-                )
+                older = f"TE {found} is older than the releases the series supports"
+                rows[patch_label(patch)] = (NOT_APPLIED, f"{older}, {oldest} to {pinned}{why}")
             return report(NOT_APPLIED)
         for patch in relevant:  # where applying it stops, and why
             rows[patch_label(patch)] = (NOT_CHECKED, "an earlier patch does not apply")
@@ -249,19 +239,15 @@ class State:
     def changes(self):
         """(originals, contents): {path: bytes} of the files that applying `relevant` changes,
         before and after it, for a target that it is not applied to (or in part)."""
-        originals, contents = self.before, self.after
-        root = self.target.root
-        current = {rel: (root / rel).read_bytes() for rel in {**originals, **contents}}
-        contents = {rel: data for rel, data in contents.items() if data != current[rel]}
-        return {rel: originals.get(rel, current[rel]) for rel in contents}, contents
+        contents = {rel: data for rel, data in self.after.items() if data != self.files.get(rel)}
+        return {rel: self.before.get(rel, self.files.get(rel)) for rel in contents}, contents
 
     def changed_since_apply(self):
         """The files that apply patched (state.json, this TE release) that are now neither as
         it wrote them nor the saved originals. Found without git; where the series does not
         apply to the files either, they were changed after the apply (`edited`), not by a
         reinstall of TE (which gives the originals back, or files the series applies to)."""
-        meta = self.backup.meta or {}
-        if meta.get("te_version") != te_version(self.target):
+        if (self.backup.meta or {}).get("te_version") != self.te_version:
             return []
         return [rel for rel, what in (self.saved or {}).items() if what == "other"]
 
@@ -270,9 +256,10 @@ class State:
         0; with `before` and `after` the files before and after the whole of `relevant`."""
         relevant = self.relevant
         for k in range(len(relevant) - 1, 0, -1):
-            before, after = {}, {}
-            if all_apply(simulate(self.target, relevant[:k][::-1], True, contents=before)):
-                if all_apply(simulate(self.target, relevant[k:], contents=after)):
+            results, before = self._simulate(relevant[:k][::-1], reverse=True)
+            if all_apply(results):
+                results, after = self._simulate(relevant[k:])
+                if all_apply(results):
                     self.before, self.after = before, after
                     return k
         return 0
@@ -288,3 +275,18 @@ class State:
         if overall == APPLIED:
             return {rel: sha256(data) for rel, data in self.before.items()}
         return {}
+
+    # A git checkout: what git says, read when a plan asks (plan.py).
+
+    def uncommitted(self, *paths):
+        """The tracked files with uncommitted changes (git status), among `paths` if given
+        (then as git reset --keep sees them: submodules aside)."""
+        args = ["status", "--porcelain", "--untracked-files=no"]
+        if paths:
+            args += ["--ignore-submodules=all", "--", *paths]
+        return [line[3:] for line in git(args, self.target.root).stdout.splitlines()]
+
+    def newest_commits(self, count):
+        """The titles of the newest `count` commits, oldest first."""
+        log = git(["log", "--format=%s", f"-{count}"], self.target.root).stdout.splitlines()
+        return log[::-1]

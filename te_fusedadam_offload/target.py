@@ -1,5 +1,6 @@
-"""The TE that a command works on: where it is, what kind of target it is, which TE release it
-holds, and the releases the series supports."""
+"""The TE that a command works on: where it is (an installed TE, found by asking its Python; a
+TE checkout; a directory), what kind of target it is and which files of the series it takes,
+which TE release it holds, and the releases the series supports."""
 
 import json
 import os
@@ -11,8 +12,8 @@ import sys
 from functools import cached_property
 from pathlib import Path
 
-from .errors import NeedsError, NoTargetError, ToolError
-from .patching import apply_all, apply_at_once, apply_in_order, git, touched
+from .errors import NeedsError, NoTargetError
+from .patching import apply_all, git, touched
 from .upstream import load_pin
 
 BACKUP_DIR = ".te_fusedadam_offload"  # in <root>/<subtree>/: the saved originals (saved.py)
@@ -56,26 +57,6 @@ class Target:
             return None
         return Path(git(["rev-parse", "--show-toplevel"], self.root).stdout.strip()).resolve()
 
-    def refuse_source_checkout(self, action):
-        """Raise ToolError if this installed TE's files are a git checkout's: `action` would
-        change that checkout's working tree. The message gives the command that does it there
-        (as commits, with git am, where the checkout is TE's own)."""
-        top = self.source_checkout
-        if top is None:
-            return
-        lead = (
-            f"the TE at {self.root} is installed from a git checkout: its {self.subtree}/ is "
-            f"tracked by the git repository {top}, and {action} {self.args} would change that "
-            "repository's working tree"
-        )
-        if top == self.root:
-            how = "as commits (git am; revert removes them)" if action == "apply" else ""
-            raise ToolError(f"{lead}; {action} it there {how}: te-fusedadam-offload {action} {top}")
-        raise ToolError(
-            f"{lead}; to change its files in place all the same, name the directory: "
-            f"te-fusedadam-offload {action} {self.root}"
-        )
-
     @property
     def args(self):
         """How to name this target on the command line."""
@@ -118,14 +99,6 @@ class Target:
         if self.whole_series:
             return files
         return [rel for rel in files if rel.startswith(self.subtree + "/")]
-
-    def apply_patches(self, patches, reverse=False):
-        """apply_in_order of `patches` to this target's files (see there)."""
-        return apply_in_order(self.root, patches, self.include, reverse)
-
-    def apply_patches_at_once(self, patches, reverse=False):
-        """apply_at_once of `patches` to this target's files (see there)."""
-        return apply_at_once(self.root, patches, self.include, reverse)
 
     def patch(self, patches):
         """git apply the patches that change this target's files, in turn, in place: for

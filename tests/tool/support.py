@@ -10,7 +10,7 @@ import sys
 import zipfile
 from pathlib import Path
 
-from te_fusedadam_offload import actions, saved, series, state, upstream
+from te_fusedadam_offload import errors, series, state, upstream
 from te_fusedadam_offload.maintainers import mainline
 
 REPO = Path(__file__).resolve().parents[2]
@@ -96,9 +96,9 @@ def git(args, cwd):
 def tool_env(pythonpath=REPO, fault=None, **extra):
     """The environment of the command line in a subprocess, with a fault injected or none."""
     env = dict(os.environ, PYTHONPATH=str(pythonpath), **extra)
-    env.pop(saved.FAULT_ENV, None)
+    env.pop(errors.FAULT_ENV, None)
     if fault:
-        env[saved.FAULT_ENV] = fault
+        env[errors.FAULT_ENV] = fault
     return env
 
 
@@ -161,7 +161,7 @@ def as_main(tree, monkeypatch):
         if needs_main[-1]:
             left_out.update(series.entry_paths(entry))
     kept = [p for p, needs in zip(series.patch_files(), needs_main) if not needs]
-    for module in (state, saved, actions, mainline):
+    for module in (state, mainline):
         monkeypatch.setattr(module, "patch_files", lambda: kept)
     stack = [(d, [p for p in ps if p in kept]) for d, ps in series.pr_patch_files()]
     monkeypatch.setattr(mainline, "pr_patch_files", lambda: [(d, ps) for d, ps in stack if ps])

@@ -207,6 +207,39 @@ def test_status_and_check_exit_codes(tree):
     assert run_tool(["status", "--bogus"]).returncode == 2
 
 
+def test_check_says_in_one_line_what_apply_would_do_in_every_state(tree, pristine):
+    """check printed no line on what apply would do where the series is applied (README
+    promises one). Now its last line, and only that one, says it in every state."""
+
+    def said():
+        result = run_tool(["check", str(tree)])
+        lines = [line for line in result.stdout.splitlines() if line.startswith("  apply: ")]
+        assert lines == result.stdout.splitlines()[-1:], result.stdout
+        return result.returncode, lines[0][len("  apply: ") :]
+
+    root = tree.resolve()
+    assert said() == (1, f"the series is not in: te-fusedadam-offload apply {root} puts it in")
+    assert run_tool(["apply", str(tree)]).returncode == 0
+    assert said() == (0, "nothing to do, the series is applied")
+    with open(tree / FUSED_ADAM, "a", encoding="utf-8") as f:
+        f.write("# a local edit\n")
+    code, line = said()
+    assert code == 1 and line.startswith(f"refuses: {FUSED_ADAM} changed after apply patched it")
+    assert run_tool(["revert", "--discard-edits", str(tree)]).returncode == 0
+    assert run_tool(["apply", "--upto", "1", str(tree)]).returncode == 0
+    assert said() == (1, "replaces the other version of this series that is applied with this one")
+    assert run_tool(["revert", str(tree)]).returncode == 0
+    first = target.Target(tree, "tree").patch(release_patches()[:1])
+    assert first == 1 and said() == (
+        1,
+        f"completes the series: te-fusedadam-offload apply {root}",
+    )
+    shutil.rmtree(tree / "transformer_engine")
+    shutil.copytree(pristine / "transformer_engine", tree / "transformer_engine")
+    drift_context(tree)
+    assert said() == (1, "refuses a drifted TE; status says what drifted")
+
+
 def test_missing_git_is_one_line(tree):
     result = run_tool(["status", str(tree)], PATH="/nonexistent")
     assert result.returncode == 4
