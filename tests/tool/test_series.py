@@ -75,7 +75,9 @@ def test_series_is_a_stack_of_pull_requests_with_cover_letters():
         for line in cover.split("# Checklist:")[1].split("\n\n")[1].splitlines():
             assert re.match(r"- \[x\] |- \[ \] .+ \(not yet: .+\)$", line), line
         assert ("Fixes #3668" in cover) == (number == 1)
-        assert (',\non top of "[PyTorch]' in cover) == (number > 1)
+        independent = prs[number - 1].get("independent", False)  # a carried upstream PR
+        assert (',\non top of "[PyTorch]' in cover) == (number > 1 and not independent)
+        assert ("alone: it depends on none of the pull requests before it" in cover) == independent
         for patch in patches:
             text = patch.read_text(encoding="utf-8")
             assert text.startswith("From 0000000000000000000000000000000000000000 ")
