@@ -748,7 +748,8 @@ def test_close_from_a_signal_handler_during_stage(async_staging, exits):
     else:
         assert result.returncode == 0, result.stderr
         assert (
-            result.stdout == "closed in the handler\nstaged 0 None\n"
+            result.stdout
+            == "closed in the handler\nstaged 0 None\n"
             "CheckpointStager.stage() called after close()\n"
         ), result.stderr
 

@@ -1,5 +1,6 @@
 """FORCED_SITE of the multirank harness: every FusedAdam made with state_dict_cpu_offload=True
 unless the caller says otherwise, so that TE's own tests run the option's export."""
+
 import functools
 
 import transformer_engine.pytorch as te
