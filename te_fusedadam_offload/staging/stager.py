@@ -43,9 +43,9 @@ class PinnedStager(AsyncStager):
     from one CUDA device (on a side stream); a buffer is reused by the next checkpoint of the
     same key, shape and dtype, freed when a checkpoint no longer has the key. What it passes
     through: the CPU tensors of :meth:`private` and of :meth:`optimizer_export`. What it
-    refuses: tensor subclasses and other layouts (a TypeError that says what to do), and
-    values other than dicts, lists, tuples and namedtuples that hold a tensor. Other values
-    are deep-copied.
+    refuses: tensor subclasses, other layouts and quantized tensors (a TypeError that says
+    what to do), and values other than dicts, lists, tuples and namedtuples that hold a
+    tensor. Other values are deep-copied.
 
     Arguments:
         async_staging (bool, optional): with False (default), ``stage()`` returns when the

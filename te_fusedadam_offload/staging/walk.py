@@ -247,6 +247,11 @@ def _check_type(tensor, path):
         raise TypeError(
             f"CheckpointStager stages strided tensors; {name(path)} has layout {tensor.layout}"
         )
+    if tensor.is_quantized:  # a plain type, but its values are not its dtype's bytes alone
+        raise TypeError(
+            f"CheckpointStager stages tensors that are not quantized; {name(path)} is quantized "
+            f"({tensor.dtype}): dequantize it, or stage it with DCP's own staging"
+        )
 
 
 def _refusal(tensor, path):

@@ -127,6 +127,24 @@ def test_tensor_subclasses_and_other_layouts_are_refused_mid_walk_without_a_trac
     stager.close()
 
 
+@pytest.mark.filterwarnings("ignore:torch.quantize_per_tensor")  # deprecated, still there
+def test_a_quantized_tensor_is_refused_with_a_type_error_by_stage_prepare_and_load_template():
+    """A quantized tensor (torch.quantize_per_tensor) is a plain torch.Tensor of a strided
+    layout, which the type checks let through: stage() then crashed in an internal assert of
+    torch (a buffer of a quantized dtype has no quantizer), and so did prepare() and
+    load_template(). Refused with the TypeError that says what to do, before any copy."""
+    weight = on_gpu(torch.arange(8.0))
+    quantized = torch.quantize_per_tensor(torch.randn(6), 0.1, 3, torch.qint8)
+    stager = StandIn()
+    calls = (stager.stage, stager.prepare, stager.load_template)
+    for call in calls:
+        with pytest.raises(TypeError, match="model/q is quantized .*dequantize"):
+            call({"w": weight, "model": {"q": quantized}})
+    assert stager._copies is None
+    assert torch.equal(stager.stage({"w": weight})["w"], weight)
+    stager.close()
+
+
 def test_without_torch_the_import_says_what_is_missing():
     code = "import sys; sys.modules['torch'] = None; import te_fusedadam_offload.staging"
     result = subprocess.run(
