@@ -7,8 +7,9 @@ updates; CUDA tensors on the stager's side stream. A CPU tensor is passed throug
 :class:`Private`, where the caller vouches that nothing changes it until the upload is done.
 Other tensor types are refused with a TypeError (a tensor subclass copied as its nominal dtype
 would be saved as something it is not). Dicts, lists, tuples and namedtuples are walked; other
-values are deep-copied, except that one holding a tensor is refused (a TypeError: deep-copied,
-it would bypass these rules), and values of the :class:`Extension` type stage themselves.
+values are deep-copied, except that one holding a tensor, or that cannot be pickled to find
+out, is refused (a TypeError: deep-copied, it would bypass these rules), and values of the
+:class:`Extension` type stage themselves.
 """
 
 import copy
@@ -107,7 +108,7 @@ class Walk:
             return type(value)(*(self.value(v, (*path, i)) for i, v in enumerate(value)))
         if type(value) in _ATOMS:  # pylint: disable=unidiomatic-typecheck
             return value
-        if _holds_tensor(value):
+        if _holds_tensor(value, path):
             raise TypeError(
                 f"CheckpointStager stages the tensors of dicts, lists and tuples; {name(path)} "
                 f"is a {type(value).__name__} that holds a tensor: put its tensors in a dict"
@@ -213,15 +214,22 @@ class _Discard:
         """Drop `data`."""
 
 
-def _holds_tensor(value):
-    """Whether pickling `value`, as DCP writes a value that is not a tensor, meets a tensor
-    (a value that cannot be pickled is deep-copied as before: DCP raises when it writes it)."""
+def _holds_tensor(value, path):
+    """Whether pickling `value`, as DCP writes a value that is not a tensor, meets a tensor.
+    A value that cannot be pickled is refused: a pickling that stopped may not have reached
+    its tensors (a module's lambda hook stops it before its parameters), and DCP, which
+    pickles it to save it, would fail."""
     try:
         _TensorFinder(_Discard(), protocol=pickle.HIGHEST_PROTOCOL).dump(value)
     except _Found:
         return True
-    except Exception:  # pylint: disable=broad-exception-caught
-        return False
+    except Exception as exc:  # pylint: disable=broad-exception-caught
+        raise TypeError(
+            f"CheckpointStager stages the tensors of dicts, lists and tuples; {name(path)} is a "
+            f"{type(value).__name__} that cannot be pickled ({type(exc).__name__}: {exc}), so "
+            "whether it holds a tensor is not known, and DCP could not save it: put its "
+            "tensors and values in a dict"
+        ) from exc
     return False
 
 

@@ -821,6 +821,34 @@ def test_tensors_in_namedtuples_are_staged_and_in_other_objects_refused():
     stager.close()
 
 
+class _Hooked:
+    """An object that pickling stops at before it reaches its tensor (a module with a
+    lambda hook is one)."""
+
+    def __init__(self, value):
+        self.hook = lambda: None
+        self.value = value
+
+
+def test_an_object_that_cannot_be_pickled_is_refused_not_deep_copied_past_the_rules():
+    """Whether an object holds a tensor is found by pickling it; a pickling that failed
+    (here at a lambda, before the tensor) counted as "no tensor", and the object was
+    deep-copied: its GPU tensor cloned on the GPU in stage() and prepare() (which refuse an
+    object that holds a tensor), the object copied into a load template. It is refused with
+    a TypeError that says why, as DCP, which pickles it to save it, would fail."""
+    stager = StandIn()
+    weight = on_gpu(torch.arange(4.0))
+    calls = (stager.stage, stager.prepare, stager.load_template)
+    for call in calls:
+        with pytest.raises(TypeError, match="x/y is a _Hooked that cannot be pickled"):
+            call({"w": weight, "x": {"y": _Hooked(weight)}})
+        with pytest.raises(TypeError, match="x/y is a _Hooked that cannot be pickled"):
+            call({"x": {"y": _Hooked(3)}})
+    assert stager._copies is None and not stager._buffers.preparing()
+    assert torch.equal(stager.stage({"w": weight})["w"], weight)
+    stager.close()
+
+
 @pytest.mark.usefixtures("stand_in_stream")
 def test_the_snapshot_copies_run_on_the_stand_in_stream_after_stage():
     """The snapshot's copies go through the stager's _copy_on, as the model's do: on the
