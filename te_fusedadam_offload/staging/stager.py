@@ -124,7 +124,7 @@ class PinnedStager(AsyncStager):
         self._buffers.wait_prepared()
         self._buffers.wait_released(0.01)
         walk = Walk(self, self._buffers)
-        staged = walk.value(state_dict, ())
+        staged = walk.state_dict(state_dict)
         if walk.held:
             self.overlapping_stagings += 1
         self._buffers.keep_only(walk.paths)
@@ -207,15 +207,17 @@ class PinnedStager(AsyncStager):
         other threads' CUDA calls wait: training loses about the time it takes).
 
         `state_dict` is what will be passed to ``dcp.async_save``, an
-        :meth:`optimizer_snapshot` included (its optimizer must have taken a step); only its
-        structure, shapes and dtypes are read, at once (a value that ``stage()`` would refuse
-        raises here). ``stage()`` and :meth:`load_template` wait for a ``prepare()`` under
-        way; :meth:`close` stops it. Returns a future of the bytes it allocated."""
+        :meth:`optimizer_snapshot` included (its optimizer must have taken a step), a
+        ``Stateful`` at its top level taken as its ``state_dict()`` (as ``dcp.async_save``
+        takes it); only its structure, shapes and dtypes are read, at once (a value that
+        ``stage()`` would refuse raises here). ``stage()`` and :meth:`load_template` wait for
+        a ``prepare()`` under way; :meth:`close` stops it. Returns a future of the bytes it
+        allocated."""
         with self._call("prepare"):
             if self._buffers.preparing():
                 raise RuntimeError("CheckpointStager.prepare() called while one is under way")
             specs = Specs()
-            Walk(self, specs, mode="prepare").value(state_dict, ())
+            Walk(self, specs, mode="prepare").state_dict(state_dict)
             return self._buffers.prepare(specs.specs, stop=lambda: self._closed)
 
     def load_template(self, state_dict):
@@ -227,14 +229,16 @@ class PinnedStager(AsyncStager):
         state dict's value. An :meth:`optimizer_snapshot` in it gives the optimizer state dict
         as ``get_optimizer_state_dict`` does, its states in FP32 (int16) buffers; an
         optimizer without states gets them as that function makes them (a step with zero
-        gradients and learning rates)."""
+        gradients and learning rates). A ``Stateful`` at its top level (the DCP tutorial's
+        ``AppState``, a module) is the caller's object itself in the template: ``dcp.load``
+        loads into its ``state_dict()`` and restores it in place, as without a template."""
         with self._call("load_template"):
             self._buffers.wait_prepared()
             self._refuse_pending("load_template() called while a staging is not complete")
             # No keep_only(): a template of a part (the model, then the optimizer) keeps the
             # prepared buffers of the rest; the next stage() frees those it does not take.
             walk = Walk(self, self._buffers, mode="template")
-            template = walk.value(state_dict, ())
+            template = walk.state_dict(state_dict)
             for dst, src in walk.cpu:
                 dst.copy_(src)
             if walk.device is not None:

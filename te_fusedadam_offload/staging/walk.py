@@ -16,6 +16,7 @@ import copy
 import pickle
 
 import torch
+from torch.distributed.checkpoint.stateful import Stateful
 from torch.distributed.tensor import DTensor
 
 __all__ = ["Extension", "Private", "Specs", "Walk"]
@@ -93,6 +94,23 @@ class Walk:
         self.private = None  # the Private being walked
         self.own = set()  # addresses of this staging's buffers that an Extension filled
         self.sources = {}  # template: (device, storage address): [(tensor, path, its buffer)]
+
+    def state_dict(self, state_dict):
+        """The staged form of a whole state dict. A Stateful at its top level (modules and
+        optimizers are, by their methods) is taken as DCP takes it: as its state_dict(), which
+        dcp.async_save stages; in a template, the caller's object itself, which dcp.load
+        restores in place (its load_state_dict() with what it loaded into its state_dict())."""
+        if not isinstance(state_dict, dict):
+            return self.value(state_dict, ())
+        staged = {}
+        for key, value in state_dict.items():
+            if isinstance(value, Stateful) and not isinstance(value, (Extension, torch.Tensor)):
+                if self.mode == "template":
+                    staged[key] = value
+                    continue
+                value = value.state_dict()
+            staged[key] = self.value(value, (key,))
+        return staged
 
     def value(self, value, path):
         """The staged form of `value`, at `path` in the state dict."""

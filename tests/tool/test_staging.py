@@ -32,7 +32,12 @@ from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata, ChunkStorageMetadata
 from torch.distributed.checkpoint.planner import LoadPlan
 from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
-from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_optimizer_state_dict,
+    get_state_dict,
+    set_state_dict,
+)
 
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
@@ -1070,6 +1075,92 @@ def test_a_tied_tensor_in_a_load_template_loads_as_in_the_state_dict_itself(tmp_
     assert template["embed"].data_ptr() == template["head"].data_ptr()
     with pytest.raises(ValueError, match="head and embed share memory"):
         stager.load_template({"embed": tied, "head": tied[2:10]})
+    stager.close()
+
+
+class _Progress:
+    """A Stateful (DCP's protocol: these two methods) without tensors."""
+
+    def __init__(self, step):
+        self.step = step
+
+    def state_dict(self):
+        return {"step": self.step}
+
+    def load_state_dict(self, state_dict):
+        self.step = state_dict["step"]
+
+
+class _AppState:
+    """The DCP tutorial's AppState: a model and its optimizer, through get_state_dict and
+    set_state_dict."""
+
+    def __init__(self, model, optimizer):
+        self.model, self.optimizer = model, optimizer
+
+    def state_dict(self):
+        model, optim = get_state_dict(self.model, self.optimizer)
+        return {"model": model, "optim": optim}
+
+    def load_state_dict(self, state_dict):
+        set_state_dict(
+            self.model,
+            self.optimizer,
+            model_state_dict=state_dict["model"],
+            optim_state_dict=state_dict["optim"],
+        )
+
+
+def _app_state():
+    """An AppState whose model has a lambda forward hook (it stops a pickling of the model
+    before its parameters) and whose optimizer has taken a step."""
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4))
+    model.register_forward_hook(lambda *_: None)
+    optimizer = torch.optim.Adam(model.parameters())
+    model(torch.randn(2, 4)).sum().backward()
+    optimizer.step()
+    return _AppState(model, optimizer)
+
+
+@pytest.mark.parametrize("reader", [FileSystemReader, ParallelFileSystemReader])
+def test_a_stateful_in_a_load_template_is_the_callers_own_and_restored_in_place(tmp_path, reader):
+    """dcp.load restores a Stateful at the top level of the state dict in place: it loads
+    into its state_dict() and calls its load_state_dict(). A load template held a deep copy
+    of it (or, the tutorial's AppState with a hooked model, refused it), so the caller's
+    object was left as it was; it now holds the caller's object, restored as DCP restores it
+    without a template."""
+    torch.manual_seed(0)
+    saved, weight = _app_state(), torch.randn(8)
+    state = {"app": saved, "progress": _Progress(1234), "w": weight}
+    dcp.save(state, checkpoint_id=tmp_path, no_dist=True)
+    expected = _cpu_copies(saved.state_dict())
+    torch.manual_seed(1)
+    app, progress = _app_state(), _Progress(0)
+    stager = CheckpointStager()
+    template = stager.load_template({"app": app, "progress": progress, "w": torch.zeros(8)})
+    assert template["app"] is app and template["progress"] is progress
+    _read(tmp_path, template, reader(tmp_path))
+    assert progress.step == 1234 and torch.equal(template["w"], weight)
+    _same(_cpu_copies(app.state_dict()), expected)
+    stager.close()
+
+
+def test_prepare_and_stage_take_a_stateful_at_the_top_level_as_dcp_async_save_does(tmp_path):
+    """dcp.async_save hands the stager a Stateful at the top level as its state_dict(), and
+    prepare() takes what will be passed to dcp.async_save: it refused the tutorial's AppState
+    ("holds a tensor"), or, its model hooked, deep-copied it and prepared no buffer. It now
+    prepares the buffers of its state_dict(), which the checkpoint's staging takes."""
+    torch.manual_seed(0)
+    app = _app_state()
+    stager = CheckpointStager()
+    nbytes = sum(t.nbytes for t in stager_module._leaves(app.state_dict()))
+    assert stager.prepare({"app": app, "progress": _Progress(7)}).result() == nbytes
+    pointers = stager._buffers.pointers()
+    state = {"app": app, "progress": _Progress(7)}
+    dcp.async_save(state, checkpoint_id=tmp_path, async_stager=stager, no_dist=True).result()
+    assert stager._buffers.pointers() == pointers and stager.overlapping_stagings == 0
+    staged = stager.stage({"progress": _Progress(8)})  # as DCP would hand it over
+    assert staged == {"progress": {"step": 8}}
     stager.close()
 
 
