@@ -8,7 +8,7 @@ tensor that it can into the template's tensor itself, with ``os.preadv`` in a po
 the rest (values that are not tensors, transformed items, parts of a stored tensor that are not
 contiguous in it, templates on a GPU, of another dtype or not contiguous, items whose header
 fails a check or whose template tensor shares memory with another's, and every item of a
-planner that resolves or commits tensors its own way) go through
+planner that finds, resolves or commits tensors or loads values its own way) go through
 ``FileSystemReader.read_data`` as before, through the same open file.
 """
 
@@ -53,12 +53,15 @@ class ParallelFileSystemReader(FileSystemReader):
     record (torch.save writes none, and ``torch.load`` reads one unchecked, giving memory it
     never wrote) is refused with a ValueError.
 
-    The direct reads need a planner whose ``resolve_tensor`` and ``commit_tensor`` are
-    ``DefaultLoadPlanner``'s (its ``lookup_tensor`` may be another's): every template tensor
-    is resolved before the reads start, and the items whose template tensors share memory with
-    another's (one tensor under two keys) go through ``FileSystemReader.read_data``, in DCP's
-    order (the last key's value). With another planner, every item goes through
-    ``FileSystemReader.read_data``, which resolves, reads and commits one item after the other.
+    The direct reads need a planner whose ``resolve_tensor``, ``lookup_tensor``,
+    ``transform_tensor``, ``commit_tensor`` and ``load_bytes`` are ``DefaultLoadPlanner``'s
+    (its plan may be another's): every template tensor is resolved before the reads start,
+    and a file's other values are loaded after its tensors, an order that only those hooks
+    cannot tell from DCP's. The items whose template tensors share memory with another's (one
+    tensor under two keys) go through ``FileSystemReader.read_data``, in DCP's order (the last
+    key's value). With another planner, every item goes through
+    ``FileSystemReader.read_data``, which resolves, reads and commits one item after the other
+    (a ``lookup_tensor`` or ``load_bytes`` may depend on what the plan loaded before).
     ``fast_items`` and ``other_items`` count the items of the last ``read_data`` each way.
 
     Each data file is opened once per load, as ``FileSystemReader`` opens it: its headers,
@@ -165,14 +168,19 @@ class ParallelFileSystemReader(FileSystemReader):
 
 
 def _resolves_as_default(planner):
-    """Whether `planner` resolves and commits tensors as DefaultLoadPlanner does (the targets
-    are the template's own tensors; a commit does nothing), so that reading every item before
-    any commit is what DCP's order reads."""
+    """Whether every hook that FileSystemReader.read_data calls, itself or through
+    resolve_tensor, is DefaultLoadPlanner's own (the targets are the template's own tensors,
+    found whatever was loaded before; a commit does nothing; a value loaded replaces its own
+    key only), so that resolving every item, then reading the tensors, then the other values,
+    loads what DCP's order (item after item) loads."""
     own = getattr(planner, "__dict__", {})
     return all(
         getattr(type(planner), name, None) is getattr(DefaultLoadPlanner, name) and name not in own
-        for name in ("resolve_tensor", "commit_tensor")
+        for name in _HOOKS
     )
+
+
+_HOOKS = ("resolve_tensor", "lookup_tensor", "transform_tensor", "commit_tensor", "load_bytes")
 
 
 def _sharing(targets):

@@ -5,6 +5,7 @@ copies CUDA tensors into pinned ones."""
 
 import collections
 import copy
+import dataclasses
 import gc
 import io
 import os
@@ -29,7 +30,11 @@ pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
-from torch.distributed.checkpoint.metadata import BytesStorageMetadata, ChunkStorageMetadata
+from torch.distributed.checkpoint.metadata import (
+    BytesStorageMetadata,
+    ChunkStorageMetadata,
+    MetadataIndex,
+)
 from torch.distributed.checkpoint.planner import LoadPlan
 from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
 from torch.distributed.checkpoint.state_dict import (
@@ -1394,7 +1399,9 @@ def test_parallel_reader_leaves_what_it_cannot_read_directly_to_dcp(tmp_path, ca
 
 class _Part(DefaultLoadPlanner):
     """Loads the template's "w" as the part of the stored "w" at `offsets` (of the template's
-    shape): the read item of a resharded load, its storage_offsets not 0, in one process."""
+    shape): the read item of a resharded load, its storage_offsets not 0, in one process.
+    Its plan alone is its own: the item's destination is the template's "w" from its origin,
+    which DefaultLoadPlanner's lookup_tensor finds."""
 
     def __init__(self, offsets):
         super().__init__()
@@ -1404,11 +1411,12 @@ class _Part(DefaultLoadPlanner):
     def create_local_plan(self):
         part = ChunkStorageMetadata(torch.Size(self.offsets), self.state_dict["w"].size())
         stored = self.metadata.state_dict_metadata["w"]
-        self.items = create_read_items_for_chunk_list("w", stored, [part])
+        origin = MetadataIndex("w", torch.Size([0] * len(self.offsets)))
+        self.items = [
+            dataclasses.replace(item, dest_index=origin)
+            for item in create_read_items_for_chunk_list("w", stored, [part])
+        ]
         return LoadPlan(self.items)
-
-    def lookup_tensor(self, index):
-        return self.state_dict[index.fqn]  # the part itself
 
 
 @pytest.mark.parametrize(
@@ -1600,6 +1608,52 @@ def test_parallel_reader_keeps_dcps_order_where_targets_share_memory(tmp_path, c
     reader = ParallelFileSystemReader(tmp_path)
     _same(load(reader), expected)
     assert (reader.fast_items, reader.other_items) == (0, len(saved))
+
+
+class _Layout(DefaultLoadPlanner):
+    """Its lookup_tensor gives "w" transposed where the checkpoint's "layout", a value that
+    the plan reads before "w", says so (a planner that migrates an old layout)."""
+
+    def lookup_tensor(self, index):
+        tensor = super().lookup_tensor(index)
+        if index.fqn == "w" and self.original_state_dict["layout"] == "transposed":
+            return tensor.t()
+        return tensor
+
+
+class _FixUp(DefaultLoadPlanner):
+    """Its load_bytes scales "w" by the checkpoint's "scale" as it loads that value (which
+    the plan reads before "w": the read of "w" then overwrites it)."""
+
+    def load_bytes(self, read_item, value):
+        super().load_bytes(read_item, value)
+        if read_item.dest_index.fqn == "scale":
+            self.original_state_dict["w"].mul_(self.original_state_dict["scale"])
+
+
+@pytest.mark.parametrize("planner", [_Layout, _FixUp])
+def test_parallel_reader_leaves_a_planners_own_lookup_or_load_bytes_to_dcps_order(
+    tmp_path, planner
+):
+    """A planner whose lookup_tensor or load_bytes depends on what the plan loaded before:
+    DCP's reader loads the values "layout" and "scale" before "w", in the plan's order. The
+    parallel reader resolved every tensor, then read every tensor, before any value of the
+    file (with DefaultLoadPlanner's resolve_tensor and commit_tensor, whatever the planner's
+    lookup_tensor and load_bytes): "w" loaded untransposed, or scaled. It now reads directly
+    only with DefaultLoadPlanner's own hooks; this planner's items all go through
+    FileSystemReader.read_data, which gives DCP's values."""
+    saved = {"layout": "transposed", "scale": 2.0, "w": torch.arange(4.0).view(2, 2)}
+    dcp.save(saved, checkpoint_id=tmp_path, no_dist=True)
+
+    def load(reader):
+        template = {"layout": "plain", "scale": 1.0, "w": torch.zeros(2, 2)}
+        return _read(tmp_path, template, reader, planner())
+
+    expected = load(FileSystemReader(tmp_path))
+    assert torch.equal(expected["w"], saved["w"].t() if planner is _Layout else saved["w"])
+    reader = ParallelFileSystemReader(tmp_path)
+    _same(load(reader), expected)
+    assert (reader.fast_items, reader.other_items) == (0, 3)
 
 
 @pytest.mark.parametrize("count", [0, -1, "4", 2.0, True])
