@@ -93,7 +93,7 @@ class Walk:
         self.device = None  # the CUDA device of the copies
         self.private = None  # the Private being walked
         self.own = set()  # addresses of this staging's buffers that an Extension filled
-        self.sources = {}  # template: (device, storage address): [(tensor, path, its buffer)]
+        self.sources = {}  # template: the layout of a tensor's memory: (path, its buffer)
 
     def state_dict(self, state_dict):
         """The staged form of a whole state dict. A Stateful at its top level (modules and
@@ -110,6 +110,8 @@ class Walk:
                     continue
                 value = value.state_dict()
             staged[key] = self.value(value, (key,))
+        if self.mode == "template":
+            self._refuse_overlaps()
         return staged
 
     def value(self, value, path):
@@ -158,13 +160,15 @@ class Walk:
 
     def _copy(self, tensor, path):
         device = self.stager._copy_device(tensor, path)
-        tied = self._tied(tensor, path) if self.mode == "template" else None
-        if tied is not None:
-            return tied
+        # In a template, a tensor that an earlier one is (one tensor under two keys, tied
+        # weights; or views of one memory through two storages) gets that one's buffer: DCP
+        # loads both keys into it, and the last one read stays.
+        layout = _layout(tensor) if self.mode == "template" and tensor.numel() else None
+        if layout in self.sources:
+            return self.sources[layout][1]
         view = self.buffer(path, tensor.shape, tensor.dtype, source=tensor)
-        if self.mode == "template" and tensor.numel():
-            key = (tensor.device, tensor.untyped_storage().data_ptr())
-            self.sources.setdefault(key, []).append((tensor, path, view))
+        if layout is not None:
+            self.sources[layout] = (path, view)
         if device is None:
             self.cpu.append((view, tensor))
         else:
@@ -172,25 +176,25 @@ class Walk:
             self.gpu.append((view, tensor))
         return view
 
-    def _tied(self, tensor, path):
-        """In a template: the buffer of an earlier tensor of the state dict that `tensor` is
-        (one tensor under two keys, tied weights: DCP loads both into it, the last one read
-        stays), or None. Another view of memory that an earlier tensor holds is refused: DCP
-        would load one of them over the other in part."""
-        if not tensor.numel():
-            return None
-        key = (tensor.device, tensor.untyped_storage().data_ptr())
-        for other, other_path, view in self.sources.get(key, ()):
-            if _layout(other) == _layout(tensor):
-                return view
-            if _overlap(tensor, other):
+    def _refuse_overlaps(self):
+        """In a template: refuse two different views of overlapping memory (whatever their
+        storages: two numpy views of one array), which DCP would load one over the other in
+        part."""
+        spans = [
+            (str(device), address, address + _span(dtype, shape, stride), path)
+            for (device, address, dtype, shape, stride), (path, _) in self.sources.items()
+        ]
+        furthest = None  # (device, start, end, path) of the span that reaches furthest
+        for device, start, end, path in sorted(spans, key=lambda span: span[:3]):
+            if furthest is not None and furthest[0] == device and start < furthest[2]:
                 raise ValueError(
-                    f"CheckpointStager.load_template(): {name(path)} and {name(other_path)} "
+                    f"CheckpointStager.load_template(): {name(path)} and {name(furthest[3])} "
                     "share memory but are different views of it, which DCP would load one "
                     "over the other in part; pass one of them (or load into the state dict "
                     "itself)"
                 )
-        return None
+            if furthest is None or furthest[0] != device or end > furthest[2]:
+                furthest = (device, start, end, path)
 
     def buffer(self, path, shape, dtype, source=None):
         """A view of the stager's buffer of `path` for this staging (not the memory of
@@ -252,17 +256,14 @@ def _holds_tensor(value, path):
 
 
 def _layout(tensor):
-    """Which elements of its storage `tensor` is, and as what."""
-    return tensor.dtype, tensor.shape, tensor.stride(), tensor.storage_offset()
+    """Which memory `tensor` is, and as what."""
+    return tensor.device, tensor.data_ptr(), tensor.dtype, tensor.shape, tensor.stride()
 
 
-def _overlap(a, b):
-    """Whether the memory spans of two tensors (first element to last) overlap."""
-    spans = []
-    for t in (a, b):
-        last = sum((size - 1) * stride for size, stride in zip(t.shape, t.stride()))
-        spans.append((t.data_ptr(), t.data_ptr() + (last + 1) * t.element_size()))
-    return spans[0][0] < spans[1][1] and spans[1][0] < spans[0][1]
+def _span(dtype, shape, stride):
+    """Bytes from the first element of a tensor to the end of its last one (not empty)."""
+    last = sum((size - 1) * step for size, step in zip(shape, stride))
+    return (last + 1) * dtype.itemsize
 
 
 def _check_type(tensor, path):

@@ -1169,6 +1169,38 @@ def test_prepare_and_stage_take_a_stateful_at_the_top_level_as_dcp_async_save_do
     stager.close()
 
 
+@pytest.mark.parametrize("reader", [FileSystemReader, ParallelFileSystemReader])
+def test_views_of_one_array_in_a_load_template_are_tied_or_refused_by_their_memory(
+    tmp_path, reader
+):
+    """Two torch.from_numpy views of one numpy array have storages of their own over the
+    same memory. The load template told tied tensors and overlapping views by their storage,
+    so it missed both: views of overlapping memory got a buffer each and loaded other values
+    than DCP loads into them (which loads one over the other in part), and two views of the
+    same memory (storages that start apart) loaded each its own key's value where DCP leaves
+    the last key's in both. Now
+    they are told by their memory: the same view is tied (one buffer, DCP's values), an
+    overlapping one is refused with the ValueError."""
+    np = pytest.importorskip("numpy")
+    saved = {"a": torch.randn(8), "b": torch.randn(8)}
+    dcp.save(saved, checkpoint_id=tmp_path, no_dist=True)
+    array = np.zeros(12, dtype=np.float32)
+    same = {"a": torch.from_numpy(array[2:10]), "b": torch.from_numpy(array)[2:10]}
+    assert same["a"].data_ptr() == same["b"].data_ptr()
+    assert same["a"].untyped_storage().data_ptr() != same["b"].untyped_storage().data_ptr()
+    dcp_own = _cpu_copies(_read(tmp_path, dict(same)))
+    assert torch.equal(dcp_own["a"], saved["b"])  # the last one read, in both
+    array[:] = 0
+    stager = CheckpointStager()
+    template = stager.load_template(same)
+    assert template["a"].data_ptr() == template["b"].data_ptr()
+    _same(_read(tmp_path, template, reader(tmp_path)), dcp_own)
+    overlapping = {"a": torch.from_numpy(array[:8]), "b": torch.from_numpy(array[4:12])}
+    with pytest.raises(ValueError, match="b and a share memory"):
+        stager.load_template(overlapping)
+    stager.close()
+
+
 def test_load_template_refuses_while_a_staging_is_not_complete_and_after_close():
     hold = threading.Event()
     stager = StandIn(async_staging=True, hold=hold)
