@@ -5,11 +5,12 @@ Plain tensors and parameters (also as the local tensors of DTensors) are copied 
 stager's buffers: CPU tensors at once, in ``stage()``, since nothing orders them against later
 updates; CUDA tensors on the stager's side stream. A CPU tensor is passed through only inside
 :class:`Private`, where the caller vouches that nothing changes it until the upload is done.
-Other tensor types are refused with a TypeError (a tensor subclass copied as its nominal dtype
-would be saved as something it is not). Dicts, lists, tuples and namedtuples are walked; other
-values are deep-copied, except that one holding a tensor, or that cannot be pickled to find
-out, is refused (a TypeError: deep-copied, it would bypass these rules), and values of the
-:class:`Extension` type stage themselves.
+Other tensor types and quantized tensors are refused with a TypeError (a tensor subclass copied
+as its nominal dtype would be saved as something it is not). A Stateful at the top level is
+taken as DCP takes it (:meth:`Walk.state_dict`). Dicts, lists, tuples and namedtuples are
+walked; other values are deep-copied, except that one holding a tensor, or that cannot be
+pickled to find out, is refused (a TypeError: deep-copied, it would bypass these rules), and
+values of the :class:`Extension` type stage themselves.
 """
 
 import copy
@@ -100,19 +101,21 @@ class Walk:
         optimizers are, by their methods) is taken as DCP takes it: as its state_dict(), which
         dcp.async_save stages; in a template, the caller's object itself, which dcp.load
         restores in place (its load_state_dict() with what it loaded into its state_dict())."""
-        if not isinstance(state_dict, dict):
-            return self.value(state_dict, ())
-        staged = {}
-        for key, value in state_dict.items():
-            if isinstance(value, Stateful) and not isinstance(value, (Extension, torch.Tensor)):
-                if self.mode == "template":
-                    staged[key] = value
-                    continue
-                value = value.state_dict()
-            staged[key] = self.value(value, (key,))
+        if isinstance(state_dict, dict):
+            staged = {key: self._top(key, value) for key, value in state_dict.items()}
+        else:
+            staged = self.value(state_dict, ())
         if self.mode == "template":
             self._refuse_overlaps()
         return staged
+
+    def _top(self, key, value):
+        """The staged form of `value`, at `key` of the state dict's top level."""
+        if not isinstance(value, Stateful) or isinstance(value, (Extension, torch.Tensor)):
+            return self.value(value, (key,))
+        if self.mode == "template":
+            return value  # the caller's own, for dcp.load to restore
+        return self.value(value.state_dict(), (key,))
 
     def value(self, value, path):
         """The staged form of `value`, at `path` in the state dict."""
