@@ -31,6 +31,8 @@ from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.planner import LoadItemType
 from torch.futures import Future
 
+from .walk import overlapping, span
+
 __all__ = ["ParallelFileSystemReader"]
 
 CHUNK_BYTES = 64 << 20  # one read of a thread
@@ -185,18 +187,12 @@ _HOOKS = ("resolve_tensor", "lookup_tensor", "transform_tensor", "commit_tensor"
 
 def _sharing(targets):
     """The items of `targets` (item: tensor) whose tensors share memory with another's."""
-    items, shared, furthest = list(targets), set(), None  # (device, end, index) reaching furthest
-    spans = sorted(
-        (str(t.device), t.data_ptr(), t.data_ptr() + _span(t), i)
-        for i, t in enumerate(targets.values())
+    spans = (
+        (str(t.device), t.data_ptr(), t.data_ptr() + _span(t), item)
+        for item, t in targets.items()
         if t.numel()
     )
-    for device, start, end, i in spans:
-        if furthest is not None and furthest[0] == device and start < furthest[1]:
-            shared.update((items[i], items[furthest[2]]))
-        if furthest is None or furthest[0] != device or end > furthest[1]:
-            furthest = (device, end, i)
-    return shared
+    return {item for pair in overlapping(spans) for item in pair}
 
 
 def _record(view, where):
@@ -374,10 +370,7 @@ def _plain(tensor):
 
 def _span(tensor):
     """Bytes from the first element of `tensor` to the end of its last one."""
-    if not tensor.numel():
-        return 0
-    last = sum((size - 1) * stride for size, stride in zip(tensor.shape, tensor.stride()))
-    return (last + 1) * tensor.element_size()
+    return span(tensor.dtype, tensor.shape, tensor.stride()) if tensor.numel() else 0
 
 
 def _memory(tensor):

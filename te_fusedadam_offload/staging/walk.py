@@ -183,21 +183,17 @@ class Walk:
         """In a template: refuse two different views of overlapping memory (whatever their
         storages: two numpy views of one array), which DCP would load one over the other in
         part."""
-        spans = [
-            (str(device), address, address + _span(dtype, shape, stride), path)
+        spans = (
+            (str(device), address, address + span(dtype, shape, stride), path)
             for (device, address, dtype, shape, stride), (path, _) in self.sources.items()
-        ]
-        furthest = None  # (device, start, end, path) of the span that reaches furthest
-        for device, start, end, path in sorted(spans, key=lambda span: span[:3]):
-            if furthest is not None and furthest[0] == device and start < furthest[2]:
-                raise ValueError(
-                    f"CheckpointStager.load_template(): {name(path)} and {name(furthest[3])} "
-                    "share memory but are different views of it, which DCP would load one "
-                    "over the other in part; pass one of them (or load into the state dict "
-                    "itself)"
-                )
-            if furthest is None or furthest[0] != device or end > furthest[2]:
-                furthest = (device, start, end, path)
+        )
+        for earlier, path in overlapping(spans):
+            raise ValueError(
+                f"CheckpointStager.load_template(): {name(path)} and {name(earlier)} "
+                "share memory but are different views of it, which DCP would load one "
+                "over the other in part; pass one of them (or load into the state dict "
+                "itself)"
+            )
 
     def buffer(self, path, shape, dtype, source=None):
         """A view of the stager's buffer of `path` for this staging (not the memory of
@@ -263,10 +259,21 @@ def _layout(tensor):
     return tensor.device, tensor.data_ptr(), tensor.dtype, tensor.shape, tensor.stride()
 
 
-def _span(dtype, shape, stride):
+def span(dtype, shape, stride):
     """Bytes from the first element of a tensor to the end of its last one (not empty)."""
     last = sum((size - 1) * step for size, step in zip(shape, stride))
     return (last + 1) * dtype.itemsize
+
+
+def overlapping(spans):
+    """Pairs (key of an earlier span, key) of the `spans`, (device, start, end, key) each,
+    whose bytes overlap: each span with the one that reaches furthest before it."""
+    furthest = None  # (device, start, end, key) of the span that reaches furthest
+    for device, start, end, key in sorted(spans, key=lambda item: item[:3]):
+        if furthest is not None and furthest[0] == device and start < furthest[2]:
+            yield furthest[3], key
+        if furthest is None or furthest[0] != device or end > furthest[2]:
+            furthest = (device, start, end, key)
 
 
 def _check_type(tensor, path):
