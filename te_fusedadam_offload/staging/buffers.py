@@ -1,9 +1,11 @@
 """The host buffers that a stager keeps from one checkpoint to the next.
 
 Nothing here needs CUDA: the buffers are pinned where PyTorch has CUDA and plain CPU memory
-otherwise, so the reuse policy is tested on any machine.
+otherwise, so the reuse policy is tested on any machine. They stay in this process: staging
+for DCP's checkpoint process is refused (:func:`refuse_checkpoint_process`).
 """
 
+import inspect
 import threading
 import time
 import weakref
@@ -11,7 +13,7 @@ from concurrent.futures import Future, wait
 
 import torch
 
-__all__ = ["BufferCache"]
+__all__ = ["BufferCache", "refuse_checkpoint_process"]
 
 
 class BufferCache:
@@ -130,3 +132,33 @@ def _shares(buffer, tensor):
         return False
     start = buffer.untyped_storage().data_ptr()
     return start <= tensor.untyped_storage().data_ptr() < start + buffer.untyped_storage().nbytes()
+
+
+PROCESS_REFUSED = (
+    "CheckpointStager does not stage for DCP's checkpoint process (dcp.async_save(..., "
+    "async_checkpointer_type=AsyncCheckpointerType.PROCESS)): sending the staged state dict to "
+    "it moves each CPU tensor into new shared memory, so after the first checkpoint the "
+    "stager's pinned buffers would be pageable shared memory (stage() then waits for slower "
+    "GPU copies) and the passed-through tensors would be copied at every checkpoint. Use the "
+    "thread checkpointer, async_save's default: AsyncCheckpointerType.THREAD"
+)
+
+
+def refuse_checkpoint_process():
+    """Raise a ValueError, before anything is copied, when called (by stage()) from
+    ``dcp.async_save(..., async_checkpointer_type=AsyncCheckpointerType.PROCESS)``, read in
+    its frame: DCP tells a stager nothing else of it before the upload. Its executor sends the
+    staged state dict through a torch.multiprocessing pipe, whose pickling moves each CPU
+    tensor's memory, in place, into new shared memory (a copy), which the process maps: the
+    values arrive, but the kept buffers are then pinned no more."""
+    frame = inspect.currentframe()
+    while frame is not None:
+        if (
+            frame.f_code.co_name == "async_save"
+            and frame.f_globals.get("__name__") == "torch.distributed.checkpoint.state_dict_saver"
+        ):
+            kind = frame.f_locals.get("async_checkpointer_type")
+            if getattr(kind, "value", None) == "process":
+                raise ValueError(PROCESS_REFUSED)
+            return
+        frame = frame.f_back

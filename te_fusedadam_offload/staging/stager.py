@@ -24,7 +24,7 @@ from torch.distributed.checkpoint.staging import AsyncStager
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
 from torch.distributed.tensor import DTensor
 
-from .buffers import BufferCache
+from .buffers import BufferCache, refuse_checkpoint_process
 from .walk import Private, Specs, Walk, name
 
 __all__ = ["PinnedStager", "empty_host_cache"]
@@ -44,8 +44,9 @@ class PinnedStager(AsyncStager):
     same key, shape and dtype, freed when a checkpoint no longer has the key. What it passes
     through: the CPU tensors of :meth:`private` and of :meth:`optimizer_export`. What it
     refuses: tensor subclasses, other layouts and quantized tensors (a TypeError that says
-    what to do), and values other than dicts, lists, tuples and namedtuples that hold a
-    tensor. Other values are deep-copied.
+    what to do), values other than dicts, lists, tuples and namedtuples that hold a tensor,
+    and DCP's checkpoint process (AsyncCheckpointerType.PROCESS: a ValueError, at once).
+    Other values are deep-copied.
 
     Arguments:
         async_staging (bool, optional): with False (default), ``stage()`` returns when the
@@ -93,6 +94,7 @@ class PinnedStager(AsyncStager):
     def stage(self, state_dict):
         """The state dict with its tensors copied into the stager's buffers (see the class);
         a future of it with ``async_staging=True``."""
+        refuse_checkpoint_process()  # dcp.async_save with AsyncCheckpointerType.PROCESS
         with self._call("stage"):
             self._refuse_pending("stage() called while the previous staging is not complete")
             self._owner = threading.current_thread()

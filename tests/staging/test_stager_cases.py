@@ -20,7 +20,7 @@ if not torch.cuda.is_available():
 # pylint: disable=wrong-import-position
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint import FileSystemReader
+from torch.distributed.checkpoint import FileSystemReader, _async_process_executor
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
@@ -29,6 +29,7 @@ from torch.distributed.checkpoint.state_dict import (
     set_model_state_dict,
     set_optimizer_state_dict,
 )
+from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
 from torch.distributed.tensor import DTensor
 
 import transformer_engine.pytorch as te
@@ -395,6 +396,44 @@ def test_a_cuda_tensor_in_a_namedtuple_is_staged_to_the_host():
     assert torch.equal(staged["p"].w, weight.cpu())
     with pytest.raises(TypeError, match="holds a tensor"):
         stager.stage({"s": {weight}})
+    stager.close()
+
+
+def test_the_process_checkpointer_is_refused_at_async_save_and_the_thread_one_writes(ckpt_root):
+    """dcp.async_save with AsyncCheckpointerType.PROCESS: pickling the staged state dict to
+    DCP's checkpoint process would move the stager's pinned buffers into new shared memory
+    (pinned no more after the first checkpoint). Refused at the call on every rank, before a
+    copy, a checkpoint process or a file; the same stager then saves with the thread
+    checkpointer, read back raw as staged. The CPU twin, on 1 and 2 gloo ranks, is in
+    tests/tool/test_staging.py."""
+    weight = torch.arange(2**20, dtype=torch.float32, device="cuda")
+    state = {"model": {"w": weight}, "epoch": 3}
+    expected = _flat(state)
+    stager = CheckpointStager(async_staging=True)
+    group = dist.new_group(backend="gloo")
+    path = os.path.join(ckpt_root, "process")
+    with pytest.raises(ValueError, match=r"checkpoint process .* AsyncCheckpointerType\.THREAD$"):
+        dcp.async_save(
+            state,
+            checkpoint_id=path,
+            process_group=group,
+            async_stager=stager,
+            async_checkpointer_type=AsyncCheckpointerType.PROCESS,
+        )
+    assert stager.cached_bytes() == 0 and stager._stream is None  # nothing copied
+    assert _async_process_executor._CHECKPOINT_PROCESS is None
+    assert not os.path.exists(path)
+    path = os.path.join(ckpt_root, "thread")
+    saving = dcp.async_save(
+        state,
+        checkpoint_id=path,
+        process_group=group,
+        async_stager=stager,
+        async_checkpointer_type=AsyncCheckpointerType.THREAD,
+    )
+    weight.add_(1)  # after async_save: the checkpoint keeps the value staged
+    saving.upload_completion.result()
+    _same(_raw(path), expected)
     stager.close()
 
 

@@ -682,6 +682,77 @@ def test_a_staging_still_running_at_exit_is_waited_for_and_written(tmp_path):
     assert torch.equal(_raw(tmp_path / "ckpt")["model"]["w"], torch.arange(4.0))
 
 
+_PROCESS = """
+import os, sys
+import torch, torch.distributed as dist, torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint import _async_process_executor as executor
+from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
+from te_fusedadam_offload.staging import CheckpointStager
+path, rank = sys.argv[1], int(os.environ["RANK"])
+dist.init_process_group("gloo", init_method=f"file://{path}/store", rank=rank,
+                        world_size=int(os.environ["WORLD_SIZE"]))
+stager = CheckpointStager()
+weight = torch.arange(8.0) + 100 * rank
+state = {"model": {f"w{rank}": weight}, "optim": stager.private({f"m{rank}": -weight})}
+try:
+    dcp.async_save(state, checkpoint_id=f"{path}/process", async_stager=stager,
+                   async_checkpointer_type=AsyncCheckpointerType.PROCESS).result()
+    print("written")
+except ValueError as exc:
+    print("refused:", exc)
+print("checkpoint process:", executor._CHECKPOINT_PROCESS is not None)
+print("bytes copied:", stager.cached_bytes())
+dcp.async_save(state, checkpoint_id=f"{path}/thread", async_stager=stager,
+               async_checkpointer_type=AsyncCheckpointerType.THREAD).result()
+stager.close()
+dist.destroy_process_group()
+"""
+
+
+@pytest.mark.parametrize("world_size", [1, 2])
+def test_the_process_checkpointer_is_refused_at_async_save_and_the_thread_one_writes(
+    tmp_path, world_size
+):
+    """dcp.async_save(..., async_checkpointer_type=AsyncCheckpointerType.PROCESS) with the
+    stager, ranks on gloo. Before, it ran: DCP's checkpoint process wrote the right values,
+    but pickling them to it moved each staged tensor into new shared memory, the stager's
+    pinned buffers too (pinned no more after the first checkpoint) and the passed-through
+    ones at every checkpoint. Now every rank refuses at the call, before a copy, a
+    checkpoint process or a file, and the stager then saves with the thread checkpointer."""
+    env = dict(os.environ, MASTER_ADDR="127.0.0.1", WORLD_SIZE=str(world_size))
+    ranks = [
+        subprocess.Popen(
+            [sys.executable, "-c", _PROCESS, str(tmp_path)],
+            cwd=REPO,
+            env=dict(env, RANK=str(rank)),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for rank in range(world_size)
+    ]
+    try:
+        outputs = [rank.communicate(timeout=120) for rank in ranks]
+    finally:
+        for rank in ranks:
+            rank.kill()
+    for rank, (out, err) in zip(ranks, outputs):
+        assert rank.returncode == 0, err
+        refusal, *facts = out.splitlines()
+        assert refusal.startswith("refused: CheckpointStager does not stage for DCP's checkpoint")
+        assert refusal.endswith(
+            "Use the thread checkpointer, async_save's default: AsyncCheckpointerType.THREAD"
+        ), refusal
+        assert facts == ["checkpoint process: False", "bytes copied: 0"], out
+    assert not (tmp_path / "process").exists()
+    weights = [torch.arange(8.0) + 100 * rank for rank in range(world_size)]
+    expected = {
+        "model": {f"w{rank}": w for rank, w in enumerate(weights)},
+        "optim": {f"m{rank}": -w for rank, w in enumerate(weights)},
+    }
+    _same(_raw(tmp_path / "thread"), expected)
+
+
 @pytest.mark.parametrize("async_staging", [False, True], ids=["sync", "async"])
 def test_staging_a_parameter_records_no_autograd_history(async_staging):
     """stage() copies parameters (requires_grad) with autograd off: before, each kept buffer
