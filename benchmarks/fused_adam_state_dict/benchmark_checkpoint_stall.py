@@ -8,7 +8,11 @@
 
 Per rank: 2^local-log2 BF16 parameter elements (square bias-free Linear layers of
 2^largest-log2 elements each, sharded with fully_shard), FP32 master weights, BF16 moments,
-FusedAdam with state_dict_cpu_offload False ("default") or True ("offload").
+FusedAdam with state_dict_cpu_offload False ("default") or True ("offload"); with
+--store-param-remainders, FusedAdam(store_param_remainders=True) (as NeMo Automodel configures
+it): the master weights kept as the int16 remainders of the BF16 parameters, and exported as
+such (2 bytes an element in place of FP32's 4: a checkpoint of 6 GiB per 2^29 elements in
+place of 7).
 
 A training iteration is forward + backward over --microbatches micro-batches of --batch rows,
 then optimizer.step(). The stall of a checkpoint is how much later the next iteration ends
@@ -53,8 +57,8 @@ new pinned buffers (overlapping_stagings counts them), whose cost this measures:
   torchrun --nproc_per_node=1 benchmark_checkpoint_stall.py --modes offload \
       --variants te_stager te_stager_async --write-delay-s 10 [--overlap] --out stall.jsonl
 
-One JSON line per checkpoint (rank 0): variant, offload, iteration ("short"/"long"), n (the
-checkpoint's index), overlap, write_delay_s, torch_threads (PyTorch's intra-op threads, on
+One JSON line per checkpoint (rank 0): variant, offload, store_param_remainders, iteration
+("short"/"long"), n (the checkpoint's index), overlap, write_delay_s, torch_threads (PyTorch's intra-op threads, on
 which te_snapshot's BF16 widening runs) and omp_num_threads (the variable that sets them),
 alloc_conf (PYTORCH_CUDA_ALLOC_CONF: pinned_use_cuda_host_register speeds up the pinning),
 iteration_s (the baseline's median; iteration_min_s and iteration_max_s its shortest and
@@ -450,6 +454,11 @@ def main():
         action="store_true",
         help="te_ variants: stager.prepare() before the first checkpoint, training until done",
     )
+    parser.add_argument(
+        "--store-param-remainders",
+        action="store_true",
+        help="FusedAdam(store_param_remainders=True): int16 remainders as the master weights",
+    )
     parser.add_argument("--out", help="append the JSON lines to this file")
     args = parser.parse_args()
     if args.baseline < 1 or args.warmup < 1:
@@ -463,6 +472,7 @@ def main():
     base = {
         "world_size": dist.get_world_size(),
         "local_log2": args.local_log2,
+        "store_param_remainders": args.store_param_remainders,
         "gpu": torch.cuda.get_device_name(),
         "cpus": os.cpu_count(),
         # PyTorch's intra-op threads, on which te_snapshot's BF16 widening runs
