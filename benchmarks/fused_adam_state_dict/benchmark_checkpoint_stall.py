@@ -47,6 +47,22 @@ is waited for (not counted), so that each checkpoint starts alike. Variants:
                    optimizer.step() once manager.lock() is free (as `with manager.lock():
                    optimizer.step()` waits); not with --write-delay-s or --overlap
 
+The upload: --checkpointer thread (the default) has dcp.async_save upload in a thread of the
+training process; --checkpointer process passes it
+async_checkpointer_type=AsyncCheckpointerType.PROCESS (torch >= 2.9), as NeMo Automodel does.
+Then torch starts one background process per rank, at the first async_save of the run, and
+keeps it for the later ones: the ranks agree on its address with a broadcast in that
+async_save, then an upload thread spawns it (it imports this script again, as __mp_main__:
+main() stays under the `if __name__ == "__main__":` guard) and waits until it has joined a
+gloo group of its own; each upload sends the staged state dict to it through a pipe, which
+first moves a CPU tensor that is not in shared memory into shared memory (a copy; the staged
+tensor is then that shared memory). The start is paid by the run's first checkpoint, as a
+user pays it, and by no later one (checkpointer_started is true on that row): to see it on
+each mode's first row, run one mode per torchrun. Not with --overlap (torch's background
+process takes one upload at a time through its one pipe), the te_ variants (the move into
+shared memory would take the stager's pinned buffers from it) or torch_checkpointing (no
+dcp.async_save).
+
 A slow storage and checkpoints that overlap: --write-delay-s S makes each upload wait S
 seconds before it writes (tests/staging/slow_storage.py's SlowWriter, as a busy or remote file
 system), and --overlap starts each checkpoint without waiting for the previous upload (each
@@ -57,7 +73,8 @@ new pinned buffers (overlapping_stagings counts them), whose cost this measures:
   torchrun --nproc_per_node=1 benchmark_checkpoint_stall.py --modes offload \
       --variants te_stager te_stager_async --write-delay-s 10 [--overlap] --out stall.jsonl
 
-One JSON line per checkpoint (rank 0): variant, offload, store_param_remainders, iteration
+One JSON line per checkpoint (rank 0): variant, offload, store_param_remainders, checkpointer
+("thread"/"process"; null for none and torch_checkpointing), checkpointer_started, iteration
 ("short"/"long"), n (the checkpoint's index), overlap, write_delay_s, torch_threads (PyTorch's intra-op threads, on
 which te_snapshot's BF16 widening runs) and omp_num_threads (the variable that sets them),
 alloc_conf (PYTORCH_CUDA_ALLOC_CONF: pinned_use_cuda_host_register speeds up the pinning),
@@ -109,6 +126,7 @@ from torch.distributed.checkpoint.state_dict import (
     get_model_state_dict,
     get_optimizer_state_dict,
 )
+from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
 
 import transformer_engine
 
@@ -131,6 +149,8 @@ VARIANTS = (
     "te_snapshot",
     "torch_checkpointing",
 )
+NO_ASYNC_SAVE = ("none", "torch_checkpointing")  # the variants that do not call dcp.async_save
+CHECKPOINTERS = {"thread": AsyncCheckpointerType.THREAD, "process": AsyncCheckpointerType.PROCESS}
 
 
 def _rss_gib():
@@ -237,7 +257,13 @@ def checkpoint(variant, trainer, state_stager, group, path, args, iteration_s):
     if variant == "torch_checkpointing":
         result = stager.save(path, state)  # the manager; its write future
     else:
-        result = dcp.async_save(state, process_group=group, async_stager=stager, **where)
+        result = dcp.async_save(
+            state,
+            process_group=group,
+            async_stager=stager,
+            async_checkpointer_type=CHECKPOINTERS[args.checkpointer],
+            **where,
+        )
     row["async_save_s"] = time.perf_counter() - mark
     row["returned_s"] = time.perf_counter() - start
     del state, optim
@@ -314,6 +340,17 @@ def prepare(variant, trainer, stager, args):
     }
 
 
+def _starts_checkpointer(args, variant):
+    """Whether the variant's next checkpoint starts torch's background process of
+    --checkpointer process (none runs yet: the run's first async_save)."""
+    if args.checkpointer != "process" or variant in NO_ASYNC_SAVE:
+        return False
+    # pylint: disable-next=import-outside-toplevel
+    from torch.distributed.checkpoint import _async_process_executor
+
+    return _async_process_executor._CHECKPOINT_PROCESS is None  # pylint: disable=protected-access
+
+
 def _wait_for_lock(manager):
     """What `with manager.lock(): optimizer.step()` waits for before the step."""
     with manager.lock():
@@ -363,6 +400,8 @@ def run(args, base, offload):
                     base,
                     variant=variant,
                     offload=offload,
+                    checkpointer=None if variant in NO_ASYNC_SAVE else args.checkpointer,
+                    checkpointer_started=_starts_checkpointer(args, variant),
                     iteration=length,
                     n=n,
                     overlap=args.overlap,
@@ -459,6 +498,12 @@ def main():
         action="store_true",
         help="FusedAdam(store_param_remainders=True): int16 remainders as the master weights",
     )
+    parser.add_argument(
+        "--checkpointer",
+        choices=list(CHECKPOINTERS),
+        default="thread",
+        help="dcp.async_save's async_checkpointer_type: upload in a thread or a background process",
+    )
     parser.add_argument("--out", help="append the JSON lines to this file")
     args = parser.parse_args()
     if args.baseline < 1 or args.warmup < 1:
@@ -467,6 +512,14 @@ def main():
         parser.error("--train-during-upload waits for each upload; --overlap does not")
     if "torch_checkpointing" in args.variants and (args.write_delay_s or args.overlap):
         parser.error("torch_checkpointing runs without --write-delay-s and --overlap")
+    if args.checkpointer == "process":
+        if args.overlap:
+            parser.error(
+                "--checkpointer process takes one upload at a time; --overlap overlaps them"
+            )
+        refused = [v for v in args.variants if v.startswith("te_") or v == "torch_checkpointing"]
+        if refused:
+            parser.error(f"--checkpointer process is for torch's stagers, not {' '.join(refused)}")
     torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
     dist.init_process_group(backend="cpu:gloo,cuda:nccl")
     base = {
