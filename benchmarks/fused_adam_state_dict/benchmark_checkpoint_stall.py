@@ -27,9 +27,26 @@ is waited for (not counted), so that each checkpoint starts alike. Variants:
 
   async_save       dcp.async_save with its own stager (it stages the whole state dict before
                    it returns)
-  default_stager   the docs recipe: torch's DefaultStager with asynchronous staging, a new one
-                   per checkpoint, the model state left on the GPU for it; staging_completion
-                   is waited for before optimizer.step()
+  default_stager   torch's DefaultStager, a new one per checkpoint (closed once its upload is
+                   done), the model state left on the GPU for it; staging_completion is waited
+                   for before optimizer.step(). Its options (the rows' staging_options):
+                   --default-stager-options automodel: DefaultStager() as NeMo Automodel makes
+                   it, torch's defaults StagingOptions() (pinned memory, shared memory,
+                   asynchronous staging, non-blocking copies); unshared (the default, what this
+                   variant measured before the option): the same without shared memory
+  default_stager_reused  the same with one DefaultStager for all the variant's checkpoints
+                   (closed after the last), to see whether one can stage twice. torch 2.11's
+                   cannot: DefaultStager._stage() closes its StateDictStager after each
+                   staging (torch/distributed/checkpoint/staging.py:251-253), and
+                   StateDictStager.close() empties the deep-copy dispatch table as well as its
+                   cache of staged storages (_state_dict_stager.py:273-274), so the second
+                   staging looks up `type` in an empty table: KeyError(<class 'type'>)
+                   (_state_dict_stager.py:319) in the staging thread, the row's error.
+                   async_save closes no stager passed to it (in 2.11 none at all; torch 2.13
+                   closes only one it made itself, and its _stage() no longer closes, so that a
+                   reused one stages again, into the storages it cached). Each staging of 2.11
+                   makes new storages (pinned, in shared memory): a reused stager would not
+                   keep them for the next checkpoint either
   te_stager        te_fusedadam_offload.staging.CheckpointStager (one, reused): the model's GPU
                    tensors into its pinned buffers, the export's private CPU tensors passed
                    through (stager.optimizer_export())
@@ -63,6 +80,22 @@ process takes one upload at a time through its one pipe), the te_ variants (the 
 shared memory would take the stager's pinned buffers from it) or torch_checkpointing (no
 dcp.async_save).
 
+A checkpoint that raises on a rank, in its export, async_save, the staging or the upload: a
+staging's error comes from staging_completion before optimizer.step() (that step is then
+skipped), or from upload_completion only, where the staging had failed before async_save
+looked at it (torch's staging_completion then reports success: state_dict_saver.py:354-357 in
+2.11). The ranks agree on it after the iteration (an all-reduce, outside the times) and, while
+the uploads run, every 50 ms, so that no rank waits for an upload that waits in a collective
+for a rank that failed; every rank skips the variant's later checkpoints (with --overlap, the
+failure of an upload is found once the later ones are taken), and the run goes on with the
+next variant, whose uploads get a process group of their own. The checkpoint's row
+has error, the first failing rank's exception ("rank R: KeyError(<class 'type'>)"), and no
+times; every other row has error null. With --checkpointer process, torch's background
+processes keep a group of their own: where only some ranks failed, a background process may
+still wait in that checkpoint's collectives, and later uploads of the run may fail (their rows
+say so). A rank that fails inside a collective of the training process (the export's) leaves
+the others waiting, as in training.
+
 A slow storage and checkpoints that overlap: --write-delay-s S makes each upload wait S
 seconds before it writes (tests/staging/slow_storage.py's SlowWriter, as a busy or remote file
 system), and --overlap starts each checkpoint without waiting for the previous upload (each
@@ -74,7 +107,9 @@ new pinned buffers (overlapping_stagings counts them), whose cost this measures:
       --variants te_stager te_stager_async --write-delay-s 10 [--overlap] --out stall.jsonl
 
 One JSON line per checkpoint (rank 0): variant, offload, store_param_remainders, checkpointer
-("thread"/"process"; null for none and torch_checkpointing), checkpointer_started, iteration
+("thread"/"process"; null for none and torch_checkpointing), checkpointer_started,
+staging_options (the DefaultStager's StagingOptions as a dict; null for the other variants),
+error, iteration
 ("short"/"long"), n (the checkpoint's index), overlap, write_delay_s, torch_threads (PyTorch's intra-op threads, on
 which te_snapshot's BF16 widening runs) and omp_num_threads (the variable that sets them),
 alloc_conf (PYTORCH_CUDA_ALLOC_CONF: pinned_use_cuda_host_register speeds up the pinning),
@@ -107,6 +142,7 @@ before it: what the allocation took from training) and prepare_gib (pinned memor
 """
 
 import argparse
+import dataclasses
 import functools
 import gc
 import os
@@ -144,6 +180,7 @@ VARIANTS = (
     "none",
     "async_save",
     "default_stager",
+    "default_stager_reused",
     "te_stager",
     "te_stager_async",
     "te_snapshot",
@@ -162,6 +199,10 @@ def _rss_gib():
             if key in ("VmRSS", "VmHWM"):
                 found[key] = int(value.split()[0]) * 1024 / GiB
     return found["VmRSS"], found["VmHWM"]
+
+
+class CheckpointFailed(Exception):
+    """A checkpoint that raised on some rank; every rank raises this, with that rank's error."""
 
 
 class Trainer:
@@ -212,7 +253,6 @@ def checkpoint(variant, trainer, state_stager, group, path, args, iteration_s):
     iterations until every rank's upload is done, against `iteration_s` each): the row's times
     (this rank's), the upload (done unless --overlap) and an event set once the times have its
     uploaded_s."""
-    model, optimizer = trainer.model, trainer.optimizer
     row = {}
     torch.cuda.synchronize()
     dist.barrier()
@@ -226,7 +266,43 @@ def checkpoint(variant, trainer, state_stager, group, path, args, iteration_s):
         nothing.set_result(None)
         written.set()
         return row, nothing, written
-    optim = _optim_state(variant, state_stager, model, optimizer)
+    stager = _default_stager(args) if variant == "default_stager" else state_stager
+    error = None
+    try:
+        upload, uploaded, before_step = _start(
+            variant, trainer, stager, group, path, args, row, start
+        )
+        row["wait_staging_s"] = trainer.iteration(before_step)
+    except Exception as exc:  # pylint: disable=broad-exception-caught
+        error = exc
+        trainer.optimizer.zero_grad(set_to_none=True)  # the step that the error skipped
+    row["total_s"] = time.perf_counter() - start
+    failed = _failed_on_a_rank(error)
+    if failed is None and args.train_during_upload:  # until every rank's upload is done
+        row["after_iterations"], row["after_s"] = trainer.until(upload, before_step)
+        row["after_excess_s"] = row["after_s"] - row["after_iterations"] * iteration_s
+    if failed is None and not args.overlap:
+        failed = _wait_on_every_rank(upload)
+    if failed is not None:
+        if variant == "default_stager":
+            stager.close()
+        raise CheckpointFailed(failed)
+    if variant == "default_stager":
+        if args.overlap:  # closed once its upload is done
+            upload.add_done_callback(lambda _: stager.close())
+        else:
+            stager.close()
+    gc.collect()
+    row["rss_gib"], row["rss_peak_gib"] = _rss_gib()
+    return row, upload, uploaded
+
+
+def _start(variant, trainer, stager, group, path, args, row, start):
+    """The export and async_save of a checkpoint that started at time.perf_counter() `start`,
+    their times into `row`: the upload, an event set once `row` has its uploaded_s, and what
+    the iteration after it waits for before optimizer.step() (or None)."""
+    model, optimizer = trainer.model, trainer.optimizer
+    optim = _optim_state(variant, stager, model, optimizer)
     row["export_optim_s"] = time.perf_counter() - start
     mark = time.perf_counter()
     on_gpu = variant != "async_save"
@@ -236,21 +312,6 @@ def checkpoint(variant, trainer, state_stager, group, path, args, iteration_s):
     }
     row["export_model_s"] = time.perf_counter() - mark
     mark = time.perf_counter()
-    stager = state_stager
-    if variant == "default_stager":
-        from torch.distributed.checkpoint.staging import (  # pylint: disable=import-outside-toplevel
-            DefaultStager,
-            StagingOptions,
-        )
-
-        stager = DefaultStager(
-            StagingOptions(
-                use_pinned_memory=True,
-                use_shared_memory=False,
-                use_async_staging=True,
-                use_non_blocking_copy=True,
-            )
-        )
     where = {"checkpoint_id": path}
     if args.write_delay_s:
         where = {"storage_writer": SlowWriter(path, args.write_delay_s)}
@@ -281,22 +342,31 @@ def checkpoint(variant, trainer, state_stager, group, path, args, iteration_s):
         uploaded.set()
 
     upload.add_done_callback(_uploaded)
-    row["wait_staging_s"] = trainer.iteration(before_step)
-    row["total_s"] = time.perf_counter() - start
-    if args.train_during_upload:  # until every rank's upload is done
-        row["after_iterations"], row["after_s"] = trainer.until(upload, before_step)
-        row["after_excess_s"] = row["after_s"] - row["after_iterations"] * iteration_s
-    if not args.overlap:
-        uploaded.wait()
-    if variant == "default_stager":
-        if args.overlap:  # closed once its upload is done
-            upload.add_done_callback(lambda _: stager.close())
-        else:
-            stager.close()
-    del result, staging
-    gc.collect()
-    row["rss_gib"], row["rss_peak_gib"] = _rss_gib()
-    return row, upload, uploaded
+    return upload, uploaded, before_step
+
+
+def _wait_on_every_rank(upload):
+    """Wait until `upload` is done on every rank, or has failed on one (not then for a rank
+    whose upload waits in a collective for the failed one); what _failed_on_a_rank gives."""
+    while True:
+        done = upload.done()
+        flags = torch.tensor(
+            [float(done and upload.exception() is not None), float(not done)], device="cuda"
+        )
+        dist.all_reduce(flags, op=dist.ReduceOp.MAX)
+        if flags.sum().item() == 0 or flags[0].item():  # all done, or failed on a rank
+            return _failed_on_a_rank(upload.exception() if done else None)
+        time.sleep(0.05)
+
+
+def _failed_on_a_rank(error):
+    """None if no rank's checkpoint raised (`error`: this rank's exception or None), else the
+    first failing rank's error as "rank R: repr", the same on every rank."""
+    if not _max_over_ranks(error is not None):
+        return None
+    errors = [None] * dist.get_world_size()
+    dist.all_gather_object(errors, None if error is None else repr(error))
+    return next(f"rank {rank}: {text}" for rank, text in enumerate(errors) if text is not None)
 
 
 def _optim_state(variant, state_stager, model, optimizer):
@@ -357,7 +427,30 @@ def _wait_for_lock(manager):
         pass
 
 
-def _stager(variant):
+def _staging_options(args):
+    """The StagingOptions of the default_stager variants' DefaultStager."""
+    # pylint: disable-next=import-outside-toplevel
+    from torch.distributed.checkpoint.staging import StagingOptions
+
+    if args.default_stager_options == "automodel":
+        return StagingOptions()  # torch's defaults, those of DefaultStager()
+    return StagingOptions(
+        use_pinned_memory=True,
+        use_shared_memory=False,
+        use_async_staging=True,
+        use_non_blocking_copy=True,
+    )
+
+
+def _default_stager(args):
+    """A DefaultStager with the --default-stager-options."""
+    # pylint: disable-next=import-outside-toplevel
+    from torch.distributed.checkpoint.staging import DefaultStager
+
+    return DefaultStager(_staging_options(args))
+
+
+def _stager(variant, args):
     """The stager (or torch_checkpointing's manager) a variant reuses, or None."""
     if variant == "torch_checkpointing":
         from torch_checkpointing import (  # pylint: disable=import-outside-toplevel
@@ -375,6 +468,8 @@ def _stager(variant):
         return CheckpointManager(CheckpointManager.Config(items=items, storage_config=storage))
     if variant.startswith("te_"):
         return CheckpointStager(async_staging=variant != "te_stager")
+    if variant == "default_stager_reused":
+        return _default_stager(args)
     return None
 
 
@@ -387,7 +482,7 @@ def run(args, base, offload):
         for length in args.iterations:
             trainer = Trainer(model, optimizer, width, *lengths[length])
             trainer.baseline(args.warmup)
-            stager = _stager(variant)
+            stager = _stager(variant, args)
             te_stager = isinstance(stager, CheckpointStager)
             prepared = {"prepared": bool(args.prepare and te_stager)}
             if prepared["prepared"]:
@@ -402,6 +497,12 @@ def run(args, base, offload):
                     offload=offload,
                     checkpointer=None if variant in NO_ASYNC_SAVE else args.checkpointer,
                     checkpointer_started=_starts_checkpointer(args, variant),
+                    staging_options=(
+                        dataclasses.asdict(_staging_options(args))
+                        if variant.startswith("default_stager")
+                        else None
+                    ),
+                    error=None,
                     iteration=length,
                     n=n,
                     overlap=args.overlap,
@@ -418,9 +519,16 @@ def run(args, base, offload):
                 # torch_checkpointing does not overwrite a checkpoint: one path per checkpoint.
                 fresh = args.overlap or variant == "torch_checkpointing"
                 checkpoint_path = f"{path}-{n}" if fresh else path
-                times, *upload = checkpoint(
-                    variant, trainer, stager, group, checkpoint_path, args, iteration_s
-                )
+                try:
+                    times, *upload = checkpoint(
+                        variant, trainer, stager, group, checkpoint_path, args, iteration_s
+                    )
+                except CheckpointFailed as exc:  # on every rank: the variant stops here
+                    _write_rows(args, pending)
+                    _emit(args, dict(row, error=str(exc)))
+                    # An upload of a rank that did not fail may still wait in the old group.
+                    group = dist.new_group(backend="gloo")
+                    break
                 row["pinned_gib"] = round(stager.cached_bytes() / GiB, 3) if te_stager else None
                 if te_stager:
                     row["overlapping_stagings"] = stager.overlapping_stagings
@@ -442,9 +550,13 @@ def run(args, base, offload):
 
 def _write_rows(args, pending):
     """Wait for the uploads of `pending` ([(row, this rank's times, (upload, its event))]),
-    then write their rows (times: the slowest rank's) and empty it."""
+    then write their rows (times: the slowest rank's; an upload that failed on a rank: its
+    error) and empty it."""
     for row, times, (upload, uploaded) in pending:
-        upload.result()
+        failed = _wait_on_every_rank(upload)
+        if failed is not None:  # with --overlap (else checkpoint() raised CheckpointFailed)
+            _emit(args, dict(row, error=failed))
+            continue
         uploaded.wait()
         # In one order on every rank: a rank's upload may set uploaded_s before its iteration
         # has set total_s.
@@ -497,6 +609,12 @@ def main():
         "--store-param-remainders",
         action="store_true",
         help="FusedAdam(store_param_remainders=True): int16 remainders as the master weights",
+    )
+    parser.add_argument(
+        "--default-stager-options",
+        choices=["automodel", "unshared"],
+        default="unshared",
+        help="default_stager variants: DefaultStager() (pinned, shared memory) or unshared",
     )
     parser.add_argument(
         "--checkpointer",
