@@ -45,8 +45,8 @@ is waited for (not counted), so that each checkpoint starts alike. Variants:
                    async_save closes no stager passed to it (in 2.11 none at all; torch 2.13
                    closes only one it made itself, and its _stage() no longer closes, so that a
                    reused one stages again, into the storages it cached). Each staging of 2.11
-                   makes new storages (pinned, in shared memory): a reused stager would not
-                   keep them for the next checkpoint either
+                   makes new storages (pinned; in shared memory with automodel): a reused
+                   stager would not keep them for the next checkpoint either
   te_stager        te_fusedadam_offload.staging.CheckpointStager (one, reused): the model's GPU
                    tensors into its pinned buffers, the export's private CPU tensors passed
                    through (stager.optimizer_export())
@@ -66,31 +66,31 @@ is waited for (not counted), so that each checkpoint starts alike. Variants:
 
 The upload: --checkpointer thread (the default) has dcp.async_save upload in a thread of the
 training process; --checkpointer process passes it
-async_checkpointer_type=AsyncCheckpointerType.PROCESS (torch >= 2.9), as NeMo Automodel does.
-Then torch starts one background process per rank, at the first async_save of the run, and
-keeps it for the later ones: the ranks agree on its address with a broadcast in that
-async_save, then an upload thread spawns it (it imports this script again, as __mp_main__:
-main() stays under the `if __name__ == "__main__":` guard) and waits until it has joined a
-gloo group of its own; each upload sends the staged state dict to it through a pipe, which
-first moves a CPU tensor that is not in shared memory into shared memory (a copy; the staged
-tensor is then that shared memory). The start is paid by the run's first checkpoint, as a
-user pays it, and by no later one (checkpointer_started is true on that row): to see it on
-each mode's first row, run one mode per torchrun. Not with --overlap (torch's background
-process takes one upload at a time through its one pipe), the te_ variants (the move into
-shared memory would take the stager's pinned buffers from it) or torch_checkpointing (no
-dcp.async_save).
+async_checkpointer_type=AsyncCheckpointerType.PROCESS, as NeMo Automodel does. Then torch
+starts one background process per rank, at the first async_save of the run, and keeps it for
+the later ones (torch 2.11's _async_process_executor.py:354-455): the ranks agree on its
+address with a broadcast in that async_save, then an upload thread spawns it (it imports this
+script again, as __mp_main__: main() stays under the `if __name__ == "__main__":` guard) and
+waits until it has joined a gloo group of its own; each upload sends the staged state dict to
+it through a pipe, which first moves a CPU tensor that is not in shared memory into shared
+memory (torch.multiprocessing's reduce_storage: a copy, and the staged tensor is then that
+shared memory). The start is paid by the run's first checkpoint, as a user pays it, and by no
+later one (checkpointer_started is true on that row): to see it on each mode's first row, run
+one mode per torchrun. Not with --overlap (torch's background process takes one upload at a
+time through its one pipe), the te_ variants (the move into shared memory would take the
+stager's pinned buffers from it) or torch_checkpointing (no dcp.async_save).
 
 A checkpoint that raises on a rank, in its export, async_save, the staging or the upload: a
 staging's error comes from staging_completion before optimizer.step() (that step is then
-skipped), or from upload_completion only, where the staging had failed before async_save
-looked at it (torch's staging_completion then reports success: state_dict_saver.py:354-357 in
-2.11). The ranks agree on it after the iteration (an all-reduce, outside the times) and, while
-the uploads run, every 50 ms, so that no rank waits for an upload that waits in a collective
-for a rank that failed; every rank skips the variant's later checkpoints (with --overlap, the
-failure of an upload is found once the later ones are taken), and the run goes on with the
-next variant, whose uploads get a process group of their own. The checkpoint's row
-has error, the first failing rank's exception ("rank R: KeyError(<class 'type'>)"), and no
-times; every other row has error null. With --checkpointer process, torch's background
+skipped), or from upload_completion only, where the staging had failed before async_save looked
+at it (torch's staging_completion then reports success: state_dict_saver.py:354-357 in 2.11).
+The ranks agree on it after the iteration (an all-reduce, outside the times) and, while the
+uploads run, every 50 ms, so that no rank waits for an upload that waits in a collective for a
+rank that failed; every rank skips the variant's later checkpoints (with --overlap, the failure
+of an upload is found once the later ones are taken), and the run goes on with the next
+variant, whose uploads get a process group of their own. The checkpoint's row has error, the
+first failing rank's exception ("rank R: KeyError(<class 'type'>)"), and no times or memory
+figures; every other row has error null. With --checkpointer process, torch's background
 processes keep a group of their own: where only some ranks failed, a background process may
 still wait in that checkpoint's collectives, and later uploads of the run may fail (their rows
 say so). A rank that fails inside a collective of the training process (the export's) leaves
@@ -109,20 +109,46 @@ new pinned buffers (overlapping_stagings counts them), whose cost this measures:
 One JSON line per checkpoint (rank 0): variant, offload, store_param_remainders, checkpointer
 ("thread"/"process"; null for none and torch_checkpointing), checkpointer_started,
 staging_options (the DefaultStager's StagingOptions as a dict; null for the other variants),
-error, iteration
-("short"/"long"), n (the checkpoint's index), overlap, write_delay_s, torch_threads (PyTorch's intra-op threads, on
-which te_snapshot's BF16 widening runs) and omp_num_threads (the variable that sets them),
-alloc_conf (PYTORCH_CUDA_ALLOC_CONF: pinned_use_cuda_host_register speeds up the pinning),
-iteration_s (the baseline's median; iteration_min_s and iteration_max_s its shortest and
-longest, the noise that a single iteration after the checkpoint carries), returned_s (until
-async_save returned), stall_s, and where the time went: export_optim_s, export_model_s,
-async_save_s, wait_staging_s (in the next iteration, before step()), uploaded_s (from the start
-until the upload is done); host memory of the rank (rss_gib: after the upload, with the state
-dict dropped, or with --overlap after the iteration; rss_peak_gib: the process's peak so far),
-the stager's pinned buffers (pinned_gib: those it keeps for the next checkpoint; null for the
-variants without a CheckpointStager) and, for the te_stager variants, overlapping_stagings (so
-far) and uploads_pending (uploads not done when this checkpoint started). With --overlap the
-rows are written once every upload is done.
+error, iteration ("short"/"long"), n (the checkpoint's index), overlap, write_delay_s,
+torch_threads (PyTorch's intra-op threads, on which te_snapshot's BF16 widening runs) and
+omp_num_threads (the variable that sets them), alloc_conf (PYTORCH_CUDA_ALLOC_CONF:
+pinned_use_cuda_host_register speeds up the pinning), iteration_s (the baseline's median;
+iteration_min_s and iteration_max_s its shortest and longest, the noise that a single iteration
+after the checkpoint carries), returned_s (until async_save returned), stall_s, and where the
+time went: export_optim_s, export_model_s, async_save_s, wait_staging_s (in the next iteration,
+before step()), uploaded_s (from the start until the upload is done); host memory of the rank
+(rss_gib: after the upload, with the state dict dropped, or with --overlap after the iteration;
+rss_peak_gib: the process's peak so far), the stager's pinned buffers (pinned_gib: those it
+keeps for the next checkpoint; null for the variants without a CheckpointStager) and, for the
+te_stager variants, overlapping_stagings (so far) and uploads_pending (uploads not done when
+this checkpoint started). With --overlap the rows are written once every upload is done.
+
+The stager and memory of each row (memory: the largest of the ranks' figures): stager, the
+class of the stager that the variant passes to async_save (DefaultStager, CheckpointStager;
+CheckpointManager for torch_checkpointing; null for none, and for async_save, which makes its
+own DefaultStager(StagingOptions(False, False, False, False))); gpu_peak_gib, the most GPU
+memory allocated above what was allocated at the checkpoint's start, until async_save returned
+(torch.cuda.max_memory_allocated() after torch.cuda.reset_peak_memory_stats() at the start: the
+export's and a synchronous staging's; not the iteration after, whose gradients it would count);
+pinned_bytes, the most pinned host memory that PyTorch's host allocator held from the start
+until the upload was done (torch.cuda.host_memory_stats()["allocated_bytes.peak"] after
+torch.cuda.reset_peak_host_memory_stats() at the start: its blocks in use and cached, each
+rounded up to a power of two; CheckpointStager's buffers are there; null without those
+functions). DefaultStager pins its storages with cudaHostRegister
+(torch.cuda._pin_memory_utils), outside that allocator: staged_pinned_bytes and
+staged_shared_bytes are the bytes of the staged state dict's CPU storages (each counted once)
+that are pinned and that are in shared memory, read once the upload is done (when the pipe to a
+background process has moved any into shared memory), for the DefaultStager variants (null for
+the others). shm_bytes: the most bytes in use on the /dev/shm file system above its use at the
+start, from os.statvfs (the whole machine's: a background process's shared memory too, and the
+checkpoint's files where --ckpt-dir is under /dev/shm), sampled every 20 ms until the upload
+was done (torch's shared memory files are unlinked as soon as made, torch.multiprocessing's
+file_descriptor strategy, and cannot be listed); shm_after_bytes, the same at rss_gib's moment:
+what the checkpoint left in use. A DefaultStager holds its last staged state dict (its
+_staging_future) until it is dropped, close() or not: default_stager drops its stager before
+rss_gib, default_stager_reused keeps it; torch 2.11's background process holds the last request
+it received, its staged state dict, until the next one arrives
+(_async_process_executor.py:290-326).
 
 What the upload costs the iterations after that one (the stall counts only the first):
 --train-during-upload goes on training until every rank's upload is done, and adds
@@ -151,6 +177,7 @@ import statistics
 import sys
 import threading
 import time
+import weakref
 from concurrent.futures import Future
 from pathlib import Path
 
@@ -188,6 +215,93 @@ VARIANTS = (
 )
 NO_ASYNC_SAVE = ("none", "torch_checkpointing")  # the variants that do not call dcp.async_save
 CHECKPOINTERS = {"thread": AsyncCheckpointerType.THREAD, "process": AsyncCheckpointerType.PROCESS}
+
+
+def _shm_used():
+    """Bytes in use on the /dev/shm file system (the whole machine's), or None without it."""
+    try:
+        st = os.statvfs("/dev/shm")
+    except OSError:
+        return None
+    return (st.f_blocks - st.f_bfree) * st.f_frsize
+
+
+class Memory:
+    """A checkpoint's memory figures from its start (see the module's docstring): /dev/shm
+    sampled in a thread until stop()."""
+
+    def __init__(self):
+        torch.cuda.reset_peak_memory_stats()
+        self.gpu_before = torch.cuda.memory_allocated()
+        self.host_stats = (  # PyTorch's host allocator's (not in a build without CUDA)
+            torch.cuda.is_available()
+            and hasattr(torch.cuda, "host_memory_stats")
+            and hasattr(torch.cuda, "reset_peak_host_memory_stats")
+        )
+        if self.host_stats:
+            torch.cuda.reset_peak_host_memory_stats()
+        self.shm_start = self.shm_peak = _shm_used()
+        self.stopped = threading.Event()
+        self.poller = threading.Thread(target=self._poll, daemon=True)
+        if self.shm_start is not None:
+            self.poller.start()
+
+    def _poll(self):
+        while not self.stopped.wait(0.02):
+            self.shm_peak = max(self.shm_peak, _shm_used())
+
+    def stop(self):
+        """Stop sampling /dev/shm (again: nothing)."""
+        self.stopped.set()
+        if self.poller.is_alive():
+            self.poller.join()
+
+    def returned(self, row):
+        """At async_save's return: gpu_peak_gib."""
+        row["gpu_peak_gib"] = (torch.cuda.max_memory_allocated() - self.gpu_before) / GiB
+
+    def uploaded(self, row, stager):
+        """Once the upload is done: shm_bytes, pinned_bytes and the staged state dict's (each
+        None until found: a row has them all, whatever fails)."""
+        for key in ("shm_bytes", "pinned_bytes", "staged_pinned_bytes", "staged_shared_bytes"):
+            row[key] = None
+        self.stop()
+        if self.shm_start is not None:
+            row["shm_bytes"] = max(self.shm_peak, _shm_used()) - self.shm_start
+        stats = torch.cuda.host_memory_stats() if self.host_stats else {}
+        row["pinned_bytes"] = stats.get("allocated_bytes.peak")
+        row["staged_pinned_bytes"], row["staged_shared_bytes"] = _staged_bytes(stager)
+
+    def after(self, row):
+        """At rss_gib's moment: shm_after_bytes."""
+        used = _shm_used()
+        row["shm_after_bytes"] = None if used is None else used - self.shm_start
+
+
+def _staged_bytes(stager):
+    """Bytes of the CPU storages (each once) of a DefaultStager's last staged state dict that
+    are pinned and that are in shared memory; (None, None) for another stager or none."""
+    future = getattr(stager, "_staging_future", None)  # DefaultStager's, with its result
+    if not isinstance(future, Future) or not future.done() or future.exception() is not None:
+        return None, None
+    pinned = shared = 0
+    seen = set()
+    todo = [future.result()]
+    while todo:
+        value = todo.pop()
+        if isinstance(value, dict):
+            todo.extend(value.values())
+        elif isinstance(value, (list, tuple)):
+            todo.extend(value)
+        elif isinstance(value, torch.Tensor):
+            local = getattr(value, "_local_tensor", value)  # a DTensor's shard
+            storage = local.untyped_storage()
+            if local.device.type != "cpu" or storage.data_ptr() in seen:
+                continue
+            seen.add(storage.data_ptr())
+            pinned += storage.nbytes() if local.is_pinned() else 0
+            shared += storage.nbytes() if local.is_shared() else 0
+    return pinned, shared
 
 
 def _rss_gib():
@@ -256,12 +370,16 @@ def checkpoint(variant, trainer, state_stager, group, path, args, iteration_s):
     row = {}
     torch.cuda.synchronize()
     dist.barrier()
+    memory = Memory()
     start = time.perf_counter()
     if variant == "none":  # the control: an iteration without checkpoint, timed alike
         row["returned_s"] = 0.0
+        memory.returned(row)
         row["wait_staging_s"] = trainer.iteration()
         row["total_s"] = time.perf_counter() - start
+        memory.uploaded(row, None)
         row["rss_gib"], row["rss_peak_gib"] = _rss_gib()
+        memory.after(row)
         nothing, written = Future(), threading.Event()
         nothing.set_result(None)
         written.set()
@@ -270,12 +388,13 @@ def checkpoint(variant, trainer, state_stager, group, path, args, iteration_s):
     error = None
     try:
         upload, uploaded, before_step = _start(
-            variant, trainer, stager, group, path, args, row, start
+            variant, trainer, stager, group, path, args, row, start, memory
         )
         row["wait_staging_s"] = trainer.iteration(before_step)
     except Exception as exc:  # pylint: disable=broad-exception-caught
         error = exc
         trainer.optimizer.zero_grad(set_to_none=True)  # the step that the error skipped
+        memory.stop()
     row["total_s"] = time.perf_counter() - start
     failed = _failed_on_a_rank(error)
     if failed is None and args.train_during_upload:  # until every rank's upload is done
@@ -292,15 +411,18 @@ def checkpoint(variant, trainer, state_stager, group, path, args, iteration_s):
             upload.add_done_callback(lambda _: stager.close())
         else:
             stager.close()
+            stager = None  # and dropped, with its last staged state dict, before rss_gib
     gc.collect()
     row["rss_gib"], row["rss_peak_gib"] = _rss_gib()
+    memory.after(row)
     return row, upload, uploaded
 
 
-def _start(variant, trainer, stager, group, path, args, row, start):
+def _start(variant, trainer, stager, group, path, args, row, start, memory):
     """The export and async_save of a checkpoint that started at time.perf_counter() `start`,
-    their times into `row`: the upload, an event set once `row` has its uploaded_s, and what
-    the iteration after it waits for before optimizer.step() (or None)."""
+    their times and `memory`'s figures into `row`: the upload, an event set once `row` has
+    uploaded_s and the figures of the upload's end, and what the iteration after it waits for
+    before optimizer.step() (or None)."""
     model, optimizer = trainer.model, trainer.optimizer
     optim = _optim_state(variant, stager, model, optimizer)
     row["export_optim_s"] = time.perf_counter() - start
@@ -327,6 +449,7 @@ def _start(variant, trainer, stager, group, path, args, row, start):
         )
     row["async_save_s"] = time.perf_counter() - mark
     row["returned_s"] = time.perf_counter() - start
+    memory.returned(row)
     del state, optim
     staging = getattr(result, "staging_completion", None)
     upload = getattr(result, "upload_completion", result)
@@ -336,13 +459,26 @@ def _start(variant, trainer, stager, group, path, args, row, start):
     elif variant == "torch_checkpointing":
         before_step = functools.partial(_wait_for_lock, stager)
     uploaded = threading.Event()  # set once row["uploaded_s"] is
+    # Not a reference from the upload's callbacks: the stager holds its last staged state dict
+    ref = None if stager is None else weakref.ref(stager)
 
     def _uploaded(_):
         row["uploaded_s"] = time.perf_counter() - start
-        uploaded.set()
+        try:
+            memory.uploaded(row, None if ref is None else ref())
+        finally:
+            uploaded.set()
 
     upload.add_done_callback(_uploaded)
     return upload, uploaded, before_step
+
+
+def _max_bytes_over_ranks(value):
+    """The largest of the ranks' byte counts (exact), None where every rank has None."""
+    none = torch.iinfo(torch.int64).min
+    t = torch.tensor([none if value is None else value], dtype=torch.int64, device="cuda")
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return None if t.item() == none else t.item()
 
 
 def _wait_on_every_rank(upload):
@@ -495,6 +631,11 @@ def run(args, base, offload):
                     base,
                     variant=variant,
                     offload=offload,
+                    stager=(
+                        "DefaultStager"
+                        if variant == "default_stager"  # a new one per checkpoint
+                        else None if stager is None else type(stager).__name__
+                    ),
                     checkpointer=None if variant in NO_ASYNC_SAVE else args.checkpointer,
                     checkpointer_started=_starts_checkpointer(args, variant),
                     staging_options=(
@@ -561,7 +702,10 @@ def _write_rows(args, pending):
         # In one order on every rank: a rank's upload may set uploaded_s before its iteration
         # has set total_s.
         for key in sorted(times):
-            row[key] = round(_max_over_ranks(times[key]), 4)
+            if key.endswith("_bytes"):  # integers, or None
+                row[key] = _max_bytes_over_ranks(times[key])
+            else:
+                row[key] = round(_max_over_ranks(times[key]), 4)
         row["stall_s"] = round(row["total_s"] - row["iteration_s"], 4)
         if "after_iterations" in row:
             row["after_iterations"] = int(row["after_iterations"])
