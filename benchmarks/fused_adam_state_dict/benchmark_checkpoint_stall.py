@@ -200,7 +200,7 @@ from te_fusedadam_offload.staging import CheckpointStager
 from benchmark_dcp_checkpoint import GiB, _build, _checkpoint_dir, _emit, _max_over_ranks
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tests" / "staging"))
-from slow_storage import SlowWriter  # pylint: disable=wrong-import-position
+from slow_storage import SlowWriter  # pylint: disable=wrong-import-position,wrong-import-order
 
 OFFLOAD = StateDictOptions(cpu_offload=True)
 VARIANTS = (
