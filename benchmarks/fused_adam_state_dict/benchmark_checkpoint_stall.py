@@ -342,9 +342,10 @@ class Trainer:
         return waited
 
     def until(self, future, before_step=None):
-        """Iterations until `future` is done on every rank: how many, and their seconds."""
+        """Iterations until `future` is done on every rank (or has failed on one): how many,
+        and their seconds."""
         count, seconds = 0, 0.0
-        while _max_over_ranks(not future.done()):
+        while _pending_on_every_rank(future):
             start = time.perf_counter()
             self.iteration(before_step)
             seconds += time.perf_counter() - start
@@ -402,6 +403,8 @@ def checkpoint(variant, trainer, state_stager, group, path, args, iteration_s):
         row["after_excess_s"] = row["after_s"] - row["after_iterations"] * iteration_s
     if failed is None and not args.overlap:
         failed = _wait_on_every_rank(upload)
+        if failed is None:
+            uploaded.wait()  # its callback has read the figures of the upload's end
     if failed is not None:
         if variant == "default_stager":
             stager.close()
@@ -484,15 +487,19 @@ def _max_bytes_over_ranks(value):
 def _wait_on_every_rank(upload):
     """Wait until `upload` is done on every rank, or has failed on one (not then for a rank
     whose upload waits in a collective for the failed one); what _failed_on_a_rank gives."""
-    while True:
-        done = upload.done()
-        flags = torch.tensor(
-            [float(done and upload.exception() is not None), float(not done)], device="cuda"
-        )
-        dist.all_reduce(flags, op=dist.ReduceOp.MAX)
-        if flags.sum().item() == 0 or flags[0].item():  # all done, or failed on a rank
-            return _failed_on_a_rank(upload.exception() if done else None)
+    while _pending_on_every_rank(upload):
         time.sleep(0.05)
+    return _failed_on_a_rank(upload.exception() if upload.done() else None)
+
+
+def _pending_on_every_rank(future):
+    """Whether `future` is not done on some rank and has failed on none (one all-reduce)."""
+    done = future.done()
+    flags = torch.tensor(
+        [float(done and future.exception() is not None), float(not done)], device="cuda"
+    )
+    dist.all_reduce(flags, op=dist.ReduceOp.MAX)
+    return not flags[0].item() and bool(flags[1].item())
 
 
 def _failed_on_a_rank(error):
