@@ -8,7 +8,11 @@
 
 Per rank: 2^local-log2 BF16 parameter elements (square bias-free Linear layers of
 2^largest-log2 elements each, sharded with fully_shard), FP32 master weights, BF16 moments,
-FusedAdam with state_dict_cpu_offload False ("default") or True ("offload").
+FusedAdam with state_dict_cpu_offload False ("default") or True ("offload"); with
+--store-param-remainders, FusedAdam(store_param_remainders=True) (as NeMo Automodel configures
+it): the master weights kept as the int16 remainders of the BF16 parameters, and exported as
+such (2 bytes an element in place of FP32's 4: a checkpoint of 6 GiB per 2^29 elements in
+place of 7).
 
 A training iteration is forward + backward over --microbatches micro-batches of --batch rows,
 then optimizer.step(). The stall of a checkpoint is how much later the next iteration ends
@@ -23,9 +27,26 @@ is waited for (not counted), so that each checkpoint starts alike. Variants:
 
   async_save       dcp.async_save with its own stager (it stages the whole state dict before
                    it returns)
-  default_stager   the docs recipe: torch's DefaultStager with asynchronous staging, a new one
-                   per checkpoint, the model state left on the GPU for it; staging_completion
-                   is waited for before optimizer.step()
+  default_stager   torch's DefaultStager, a new one per checkpoint (closed once its upload is
+                   done), the model state left on the GPU for it; staging_completion is waited
+                   for before optimizer.step(). Its options (the rows' staging_options):
+                   --default-stager-options automodel: DefaultStager() as NeMo Automodel makes
+                   it, torch's defaults StagingOptions() (pinned memory, shared memory,
+                   asynchronous staging, non-blocking copies); unshared (the default, what this
+                   variant measured before the option): the same without shared memory
+  default_stager_reused  the same with one DefaultStager for all the variant's checkpoints
+                   (closed after the last), to see whether one can stage twice. torch 2.11's
+                   cannot: DefaultStager._stage() closes its StateDictStager after each
+                   staging (torch/distributed/checkpoint/staging.py:251-253), and
+                   StateDictStager.close() empties the deep-copy dispatch table as well as its
+                   cache of staged storages (_state_dict_stager.py:273-274), so the second
+                   staging looks up `type` in an empty table: KeyError(<class 'type'>)
+                   (_state_dict_stager.py:319) in the staging thread, the row's error.
+                   async_save closes no stager passed to it (in 2.11 none at all; torch 2.13
+                   closes only one it made itself, and its _stage() no longer closes, so that a
+                   reused one stages again, into the storages it cached). Each staging of 2.11
+                   makes new storages (pinned; in shared memory with automodel): a reused
+                   stager would not keep them for the next checkpoint either
   te_stager        te_fusedadam_offload.staging.CheckpointStager (one, reused): the model's GPU
                    tensors into its pinned buffers, the export's private CPU tensors passed
                    through (stager.optimizer_export())
@@ -43,6 +64,38 @@ is waited for (not counted), so that each checkpoint starts alike. Variants:
                    optimizer.step() once manager.lock() is free (as `with manager.lock():
                    optimizer.step()` waits); not with --write-delay-s or --overlap
 
+The upload: --checkpointer thread (the default) has dcp.async_save upload in a thread of the
+training process; --checkpointer process passes it
+async_checkpointer_type=AsyncCheckpointerType.PROCESS, as NeMo Automodel does. Then torch
+starts one background process per rank, at the first async_save of the run, and keeps it for
+the later ones (torch 2.11's _async_process_executor.py:354-455): the ranks agree on its
+address with a broadcast in that async_save, then an upload thread spawns it (it imports this
+script again, as __mp_main__: main() stays under the `if __name__ == "__main__":` guard) and
+waits until it has joined a gloo group of its own; each upload sends the staged state dict to
+it through a pipe, which first moves a CPU tensor that is not in shared memory into shared
+memory (torch.multiprocessing's reduce_storage: a copy, and the staged tensor is then that
+shared memory). The start is paid by the run's first checkpoint, as a user pays it, and by no
+later one (checkpointer_started is true on that row): to see it on each mode's first row, run
+one mode per torchrun. Not with --overlap (torch's background process takes one upload at a
+time through its one pipe), the te_ variants (the move into shared memory would take the
+stager's pinned buffers from it) or torch_checkpointing (no dcp.async_save).
+
+A checkpoint that raises on a rank, in its export, async_save, the staging or the upload: a
+staging's error comes from staging_completion before optimizer.step() (that step is then
+skipped), or from upload_completion only, where the staging had failed before async_save looked
+at it (torch's staging_completion then reports success: state_dict_saver.py:354-357 in 2.11).
+The ranks agree on it after the iteration (an all-reduce, outside the times) and, while the
+uploads run, every 50 ms, so that no rank waits for an upload that waits in a collective for a
+rank that failed; every rank skips the variant's later checkpoints (with --overlap, the failure
+of an upload is found once the later ones are taken), and the run goes on with the next
+variant, whose uploads get a process group of their own. The checkpoint's row has error, the
+first failing rank's exception ("rank R: KeyError(<class 'type'>)"), and no times or memory
+figures; every other row has error null. With --checkpointer process, torch's background
+processes keep a group of their own: where only some ranks failed, a background process may
+still wait in that checkpoint's collectives, and later uploads of the run may fail (their rows
+say so). A rank that fails inside a collective of the training process (the export's) leaves
+the others waiting, as in training.
+
 A slow storage and checkpoints that overlap: --write-delay-s S makes each upload wait S
 seconds before it writes (tests/staging/slow_storage.py's SlowWriter, as a busy or remote file
 system), and --overlap starts each checkpoint without waiting for the previous upload (each
@@ -53,20 +106,49 @@ new pinned buffers (overlapping_stagings counts them), whose cost this measures:
   torchrun --nproc_per_node=1 benchmark_checkpoint_stall.py --modes offload \
       --variants te_stager te_stager_async --write-delay-s 10 [--overlap] --out stall.jsonl
 
-One JSON line per checkpoint (rank 0): variant, offload, iteration ("short"/"long"), n (the
-checkpoint's index), overlap, write_delay_s, torch_threads (PyTorch's intra-op threads, on
-which te_snapshot's BF16 widening runs) and omp_num_threads (the variable that sets them),
-alloc_conf (PYTORCH_CUDA_ALLOC_CONF: pinned_use_cuda_host_register speeds up the pinning),
-iteration_s (the baseline's median; iteration_min_s and iteration_max_s its shortest and
-longest, the noise that a single iteration after the checkpoint carries), returned_s (until
-async_save returned), stall_s, and where the time went: export_optim_s, export_model_s,
-async_save_s, wait_staging_s (in the next iteration, before step()), uploaded_s (from the start
-until the upload is done); host memory of the rank (rss_gib: after the upload, with the state
-dict dropped, or with --overlap after the iteration; rss_peak_gib: the process's peak so far),
-the stager's pinned buffers (pinned_gib: those it keeps for the next checkpoint; null for the
-variants without a CheckpointStager) and, for the te_stager variants, overlapping_stagings (so
-far) and uploads_pending (uploads not done when this checkpoint started). With --overlap the
-rows are written once every upload is done.
+One JSON line per checkpoint (rank 0): variant, offload, store_param_remainders, checkpointer
+("thread"/"process"; null for none and torch_checkpointing), checkpointer_started,
+staging_options (the DefaultStager's StagingOptions as a dict; null for the other variants),
+error, iteration ("short"/"long"), n (the checkpoint's index), overlap, write_delay_s,
+torch_threads (PyTorch's intra-op threads, on which te_snapshot's BF16 widening runs) and
+omp_num_threads (the variable that sets them), alloc_conf (PYTORCH_CUDA_ALLOC_CONF:
+pinned_use_cuda_host_register speeds up the pinning), iteration_s (the baseline's median;
+iteration_min_s and iteration_max_s its shortest and longest, the noise that a single iteration
+after the checkpoint carries), returned_s (until async_save returned), stall_s, and where the
+time went: export_optim_s, export_model_s, async_save_s, wait_staging_s (in the next iteration,
+before step()), uploaded_s (from the start until the upload is done); host memory of the rank
+(rss_gib: after the upload, with the state dict dropped, or with --overlap after the iteration;
+rss_peak_gib: the process's peak so far), the stager's pinned buffers (pinned_gib: those it
+keeps for the next checkpoint; null for the variants without a CheckpointStager) and, for the
+te_stager variants, overlapping_stagings (so far) and uploads_pending (uploads not done when
+this checkpoint started). With --overlap the rows are written once every upload is done.
+
+The stager and memory of each row (memory: the largest of the ranks' figures): stager, the
+class of the stager that the variant passes to async_save (DefaultStager, CheckpointStager;
+CheckpointManager for torch_checkpointing; null for none, and for async_save, which makes its
+own DefaultStager(StagingOptions(False, False, False, False))); gpu_peak_gib, the most GPU
+memory allocated above what was allocated at the checkpoint's start, until async_save returned
+(torch.cuda.max_memory_allocated() after torch.cuda.reset_peak_memory_stats() at the start: the
+export's and a synchronous staging's; not the iteration after, whose gradients it would count);
+pinned_bytes, the most pinned host memory that PyTorch's host allocator held from the start
+until the upload was done (torch.cuda.host_memory_stats()["allocated_bytes.peak"] after
+torch.cuda.reset_peak_host_memory_stats() at the start: its blocks in use and cached, each
+rounded up to a power of two; CheckpointStager's buffers are there; null without those
+functions). DefaultStager pins its storages with cudaHostRegister
+(torch.cuda._pin_memory_utils), outside that allocator: staged_pinned_bytes and
+staged_shared_bytes are the bytes of the staged state dict's CPU storages (each counted once)
+that are pinned and that are in shared memory, read once the upload is done (when the pipe to a
+background process has moved any into shared memory), for the DefaultStager variants (null for
+the others). shm_bytes: the most bytes in use on the /dev/shm file system above its use at the
+start, from os.statvfs (the whole machine's: a background process's shared memory too, and the
+checkpoint's files where --ckpt-dir is under /dev/shm), sampled every 20 ms until the upload
+was done (torch's shared memory files are unlinked as soon as made, torch.multiprocessing's
+file_descriptor strategy, and cannot be listed); shm_after_bytes, the same at rss_gib's moment:
+what the checkpoint left in use. A DefaultStager holds its last staged state dict (its
+_staging_future) until it is dropped, close() or not: default_stager drops its stager before
+rss_gib, default_stager_reused keeps it; torch 2.11's background process holds the last request
+it received, its staged state dict, until the next one arrives
+(_async_process_executor.py:290-326).
 
 What the upload costs the iterations after that one (the stall counts only the first):
 --train-during-upload goes on training until every rank's upload is done, and adds
@@ -86,6 +168,7 @@ before it: what the allocation took from training) and prepare_gib (pinned memor
 """
 
 import argparse
+import dataclasses
 import functools
 import gc
 import os
@@ -94,6 +177,7 @@ import statistics
 import sys
 import threading
 import time
+import weakref
 from concurrent.futures import Future
 from pathlib import Path
 
@@ -105,6 +189,7 @@ from torch.distributed.checkpoint.state_dict import (
     get_model_state_dict,
     get_optimizer_state_dict,
 )
+from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
 
 import transformer_engine
 
@@ -115,18 +200,108 @@ from te_fusedadam_offload.staging import CheckpointStager
 from benchmark_dcp_checkpoint import GiB, _build, _checkpoint_dir, _emit, _max_over_ranks
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tests" / "staging"))
-from slow_storage import SlowWriter  # pylint: disable=wrong-import-position
+from slow_storage import SlowWriter  # pylint: disable=wrong-import-position,wrong-import-order
 
 OFFLOAD = StateDictOptions(cpu_offload=True)
 VARIANTS = (
     "none",
     "async_save",
     "default_stager",
+    "default_stager_reused",
     "te_stager",
     "te_stager_async",
     "te_snapshot",
     "torch_checkpointing",
 )
+NO_ASYNC_SAVE = ("none", "torch_checkpointing")  # the variants that do not call dcp.async_save
+CHECKPOINTERS = {"thread": AsyncCheckpointerType.THREAD, "process": AsyncCheckpointerType.PROCESS}
+
+
+def _shm_used():
+    """Bytes in use on the /dev/shm file system (the whole machine's), or None without it."""
+    try:
+        st = os.statvfs("/dev/shm")
+    except OSError:
+        return None
+    return (st.f_blocks - st.f_bfree) * st.f_frsize
+
+
+class Memory:
+    """A checkpoint's memory figures from its start (see the module's docstring): /dev/shm
+    sampled in a thread until stop()."""
+
+    def __init__(self):
+        torch.cuda.reset_peak_memory_stats()
+        self.gpu_before = torch.cuda.memory_allocated()
+        self.host_stats = (  # PyTorch's host allocator's (not in a build without CUDA)
+            torch.cuda.is_available()
+            and hasattr(torch.cuda, "host_memory_stats")
+            and hasattr(torch.cuda, "reset_peak_host_memory_stats")
+        )
+        if self.host_stats:
+            torch.cuda.reset_peak_host_memory_stats()
+        self.shm_start = self.shm_peak = _shm_used()
+        self.stopped = threading.Event()
+        self.poller = threading.Thread(target=self._poll, daemon=True)
+        if self.shm_start is not None:
+            self.poller.start()
+
+    def _poll(self):
+        while not self.stopped.wait(0.02):
+            self.shm_peak = max(self.shm_peak, _shm_used())
+
+    def stop(self):
+        """Stop sampling /dev/shm (again: nothing)."""
+        self.stopped.set()
+        if self.poller.is_alive():
+            self.poller.join()
+
+    def returned(self, row):
+        """At async_save's return: gpu_peak_gib."""
+        row["gpu_peak_gib"] = (torch.cuda.max_memory_allocated() - self.gpu_before) / GiB
+
+    def uploaded(self, row, stager):
+        """Once the upload is done: shm_bytes, pinned_bytes and the staged state dict's (each
+        None until found: a row has them all, whatever fails)."""
+        for key in ("shm_bytes", "pinned_bytes", "staged_pinned_bytes", "staged_shared_bytes"):
+            row[key] = None
+        self.stop()
+        if self.shm_start is not None:
+            row["shm_bytes"] = max(self.shm_peak, _shm_used()) - self.shm_start
+        stats = torch.cuda.host_memory_stats() if self.host_stats else {}
+        row["pinned_bytes"] = stats.get("allocated_bytes.peak")
+        row["staged_pinned_bytes"], row["staged_shared_bytes"] = _staged_bytes(stager)
+
+    def after(self, row):
+        """At rss_gib's moment: shm_after_bytes."""
+        used = _shm_used()
+        row["shm_after_bytes"] = None if used is None else used - self.shm_start
+
+
+def _staged_bytes(stager):
+    """Bytes of the CPU storages (each once) of a DefaultStager's last staged state dict that
+    are pinned and that are in shared memory; (None, None) for another stager or none."""
+    future = getattr(stager, "_staging_future", None)  # DefaultStager's, with its result
+    if not isinstance(future, Future) or not future.done() or future.exception() is not None:
+        return None, None
+    pinned = shared = 0
+    seen = set()
+    todo = [future.result()]
+    while todo:
+        value = todo.pop()
+        if isinstance(value, dict):
+            todo.extend(value.values())
+        elif isinstance(value, (list, tuple)):
+            todo.extend(value)
+        elif isinstance(value, torch.Tensor):
+            local = getattr(value, "_local_tensor", value)  # a DTensor's shard
+            storage = local.untyped_storage()
+            if local.device.type != "cpu" or storage.data_ptr() in seen:
+                continue
+            seen.add(storage.data_ptr())
+            pinned += storage.nbytes() if local.is_pinned() else 0
+            shared += storage.nbytes() if local.is_shared() else 0
+    return pinned, shared
 
 
 def _rss_gib():
@@ -138,6 +313,10 @@ def _rss_gib():
             if key in ("VmRSS", "VmHWM"):
                 found[key] = int(value.split()[0]) * 1024 / GiB
     return found["VmRSS"], found["VmHWM"]
+
+
+class CheckpointFailed(Exception):
+    """A checkpoint that raised on some rank; every rank raises this, with that rank's error."""
 
 
 class Trainer:
@@ -163,9 +342,10 @@ class Trainer:
         return waited
 
     def until(self, future, before_step=None):
-        """Iterations until `future` is done on every rank: how many, and their seconds."""
+        """Iterations until `future` is done on every rank (or has failed on one): how many,
+        and their seconds."""
         count, seconds = 0, 0.0
-        while _max_over_ranks(not future.done()):
+        while _pending_on_every_rank(future):
             start = time.perf_counter()
             self.iteration(before_step)
             seconds += time.perf_counter() - start
@@ -188,21 +368,66 @@ def checkpoint(variant, trainer, state_stager, group, path, args, iteration_s):
     iterations until every rank's upload is done, against `iteration_s` each): the row's times
     (this rank's), the upload (done unless --overlap) and an event set once the times have its
     uploaded_s."""
-    model, optimizer = trainer.model, trainer.optimizer
     row = {}
     torch.cuda.synchronize()
     dist.barrier()
+    memory = Memory()
     start = time.perf_counter()
     if variant == "none":  # the control: an iteration without checkpoint, timed alike
         row["returned_s"] = 0.0
+        memory.returned(row)
         row["wait_staging_s"] = trainer.iteration()
         row["total_s"] = time.perf_counter() - start
+        memory.uploaded(row, None)
         row["rss_gib"], row["rss_peak_gib"] = _rss_gib()
+        memory.after(row)
         nothing, written = Future(), threading.Event()
         nothing.set_result(None)
         written.set()
         return row, nothing, written
-    optim = _optim_state(variant, state_stager, model, optimizer)
+    stager = _default_stager(args) if variant == "default_stager" else state_stager
+    error = None
+    try:
+        upload, uploaded, before_step = _start(
+            variant, trainer, stager, group, path, args, row, start, memory
+        )
+        row["wait_staging_s"] = trainer.iteration(before_step)
+    except Exception as exc:  # pylint: disable=broad-exception-caught
+        error = exc
+        trainer.optimizer.zero_grad(set_to_none=True)  # the step that the error skipped
+        memory.stop()
+    row["total_s"] = time.perf_counter() - start
+    failed = _failed_on_a_rank(error)
+    if failed is None and args.train_during_upload:  # until every rank's upload is done
+        row["after_iterations"], row["after_s"] = trainer.until(upload, before_step)
+        row["after_excess_s"] = row["after_s"] - row["after_iterations"] * iteration_s
+    if failed is None and not args.overlap:
+        failed = _wait_on_every_rank(upload)
+        if failed is None:
+            uploaded.wait()  # its callback has read the figures of the upload's end
+    if failed is not None:
+        if variant == "default_stager":
+            stager.close()
+        raise CheckpointFailed(failed)
+    if variant == "default_stager":
+        if args.overlap:  # closed once its upload is done
+            upload.add_done_callback(lambda _: stager.close())
+        else:
+            stager.close()
+            stager = None  # and dropped, with its last staged state dict, before rss_gib
+    gc.collect()
+    row["rss_gib"], row["rss_peak_gib"] = _rss_gib()
+    memory.after(row)
+    return row, upload, uploaded
+
+
+def _start(variant, trainer, stager, group, path, args, row, start, memory):
+    """The export and async_save of a checkpoint that started at time.perf_counter() `start`,
+    their times and `memory`'s figures into `row`: the upload, an event set once `row` has
+    uploaded_s and the figures of the upload's end, and what the iteration after it waits for
+    before optimizer.step() (or None)."""
+    model, optimizer = trainer.model, trainer.optimizer
+    optim = _optim_state(variant, stager, model, optimizer)
     row["export_optim_s"] = time.perf_counter() - start
     mark = time.perf_counter()
     on_gpu = variant != "async_save"
@@ -212,30 +437,22 @@ def checkpoint(variant, trainer, state_stager, group, path, args, iteration_s):
     }
     row["export_model_s"] = time.perf_counter() - mark
     mark = time.perf_counter()
-    stager = state_stager
-    if variant == "default_stager":
-        from torch.distributed.checkpoint.staging import (  # pylint: disable=import-outside-toplevel
-            DefaultStager,
-            StagingOptions,
-        )
-
-        stager = DefaultStager(
-            StagingOptions(
-                use_pinned_memory=True,
-                use_shared_memory=False,
-                use_async_staging=True,
-                use_non_blocking_copy=True,
-            )
-        )
     where = {"checkpoint_id": path}
     if args.write_delay_s:
         where = {"storage_writer": SlowWriter(path, args.write_delay_s)}
     if variant == "torch_checkpointing":
         result = stager.save(path, state)  # the manager; its write future
     else:
-        result = dcp.async_save(state, process_group=group, async_stager=stager, **where)
+        result = dcp.async_save(
+            state,
+            process_group=group,
+            async_stager=stager,
+            async_checkpointer_type=CHECKPOINTERS[args.checkpointer],
+            **where,
+        )
     row["async_save_s"] = time.perf_counter() - mark
     row["returned_s"] = time.perf_counter() - start
+    memory.returned(row)
     del state, optim
     staging = getattr(result, "staging_completion", None)
     upload = getattr(result, "upload_completion", result)
@@ -245,28 +462,54 @@ def checkpoint(variant, trainer, state_stager, group, path, args, iteration_s):
     elif variant == "torch_checkpointing":
         before_step = functools.partial(_wait_for_lock, stager)
     uploaded = threading.Event()  # set once row["uploaded_s"] is
+    # Not a reference from the upload's callbacks: the stager holds its last staged state dict
+    ref = None if stager is None else weakref.ref(stager)
 
     def _uploaded(_):
         row["uploaded_s"] = time.perf_counter() - start
-        uploaded.set()
+        try:
+            memory.uploaded(row, None if ref is None else ref())
+        finally:
+            uploaded.set()
 
     upload.add_done_callback(_uploaded)
-    row["wait_staging_s"] = trainer.iteration(before_step)
-    row["total_s"] = time.perf_counter() - start
-    if args.train_during_upload:  # until every rank's upload is done
-        row["after_iterations"], row["after_s"] = trainer.until(upload, before_step)
-        row["after_excess_s"] = row["after_s"] - row["after_iterations"] * iteration_s
-    if not args.overlap:
-        uploaded.wait()
-    if variant == "default_stager":
-        if args.overlap:  # closed once its upload is done
-            upload.add_done_callback(lambda _: stager.close())
-        else:
-            stager.close()
-    del result, staging
-    gc.collect()
-    row["rss_gib"], row["rss_peak_gib"] = _rss_gib()
-    return row, upload, uploaded
+    return upload, uploaded, before_step
+
+
+def _max_bytes_over_ranks(value):
+    """The largest of the ranks' byte counts (exact), None where every rank has None."""
+    none = torch.iinfo(torch.int64).min
+    t = torch.tensor([none if value is None else value], dtype=torch.int64, device="cuda")
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return None if t.item() == none else t.item()
+
+
+def _wait_on_every_rank(upload):
+    """Wait until `upload` is done on every rank, or has failed on one (not then for a rank
+    whose upload waits in a collective for the failed one); what _failed_on_a_rank gives."""
+    while _pending_on_every_rank(upload):
+        time.sleep(0.05)
+    return _failed_on_a_rank(upload.exception() if upload.done() else None)
+
+
+def _pending_on_every_rank(future):
+    """Whether `future` is not done on some rank and has failed on none (one all-reduce)."""
+    done = future.done()
+    flags = torch.tensor(
+        [float(done and future.exception() is not None), float(not done)], device="cuda"
+    )
+    dist.all_reduce(flags, op=dist.ReduceOp.MAX)
+    return not flags[0].item() and bool(flags[1].item())
+
+
+def _failed_on_a_rank(error):
+    """None if no rank's checkpoint raised (`error`: this rank's exception or None), else the
+    first failing rank's error as "rank R: repr", the same on every rank."""
+    if not _max_over_ranks(error is not None):
+        return None
+    errors = [None] * dist.get_world_size()
+    dist.all_gather_object(errors, None if error is None else repr(error))
+    return next(f"rank {rank}: {text}" for rank, text in enumerate(errors) if text is not None)
 
 
 def _optim_state(variant, state_stager, model, optimizer):
@@ -310,13 +553,47 @@ def prepare(variant, trainer, stager, args):
     }
 
 
+def _starts_checkpointer(args, variant):
+    """Whether the variant's next checkpoint starts torch's background process of
+    --checkpointer process (none runs yet: the run's first async_save)."""
+    if args.checkpointer != "process" or variant in NO_ASYNC_SAVE:
+        return False
+    # pylint: disable-next=import-outside-toplevel
+    from torch.distributed.checkpoint import _async_process_executor
+
+    return _async_process_executor._CHECKPOINT_PROCESS is None  # pylint: disable=protected-access
+
+
 def _wait_for_lock(manager):
     """What `with manager.lock(): optimizer.step()` waits for before the step."""
     with manager.lock():
         pass
 
 
-def _stager(variant):
+def _staging_options(args):
+    """The StagingOptions of the default_stager variants' DefaultStager."""
+    # pylint: disable-next=import-outside-toplevel
+    from torch.distributed.checkpoint.staging import StagingOptions
+
+    if args.default_stager_options == "automodel":
+        return StagingOptions()  # torch's defaults, those of DefaultStager()
+    return StagingOptions(
+        use_pinned_memory=True,
+        use_shared_memory=False,
+        use_async_staging=True,
+        use_non_blocking_copy=True,
+    )
+
+
+def _default_stager(args):
+    """A DefaultStager with the --default-stager-options."""
+    # pylint: disable-next=import-outside-toplevel
+    from torch.distributed.checkpoint.staging import DefaultStager
+
+    return DefaultStager(_staging_options(args))
+
+
+def _stager(variant, args):
     """The stager (or torch_checkpointing's manager) a variant reuses, or None."""
     if variant == "torch_checkpointing":
         from torch_checkpointing import (  # pylint: disable=import-outside-toplevel
@@ -334,6 +611,8 @@ def _stager(variant):
         return CheckpointManager(CheckpointManager.Config(items=items, storage_config=storage))
     if variant.startswith("te_"):
         return CheckpointStager(async_staging=variant != "te_stager")
+    if variant == "default_stager_reused":
+        return _default_stager(args)
     return None
 
 
@@ -346,7 +625,7 @@ def run(args, base, offload):
         for length in args.iterations:
             trainer = Trainer(model, optimizer, width, *lengths[length])
             trainer.baseline(args.warmup)
-            stager = _stager(variant)
+            stager = _stager(variant, args)
             te_stager = isinstance(stager, CheckpointStager)
             prepared = {"prepared": bool(args.prepare and te_stager)}
             if prepared["prepared"]:
@@ -359,6 +638,19 @@ def run(args, base, offload):
                     base,
                     variant=variant,
                     offload=offload,
+                    stager=(
+                        "DefaultStager"
+                        if variant == "default_stager"  # a new one per checkpoint
+                        else None if stager is None else type(stager).__name__
+                    ),
+                    checkpointer=None if variant in NO_ASYNC_SAVE else args.checkpointer,
+                    checkpointer_started=_starts_checkpointer(args, variant),
+                    staging_options=(
+                        dataclasses.asdict(_staging_options(args))
+                        if variant.startswith("default_stager")
+                        else None
+                    ),
+                    error=None,
                     iteration=length,
                     n=n,
                     overlap=args.overlap,
@@ -375,9 +667,16 @@ def run(args, base, offload):
                 # torch_checkpointing does not overwrite a checkpoint: one path per checkpoint.
                 fresh = args.overlap or variant == "torch_checkpointing"
                 checkpoint_path = f"{path}-{n}" if fresh else path
-                times, *upload = checkpoint(
-                    variant, trainer, stager, group, checkpoint_path, args, iteration_s
-                )
+                try:
+                    times, *upload = checkpoint(
+                        variant, trainer, stager, group, checkpoint_path, args, iteration_s
+                    )
+                except CheckpointFailed as exc:  # on every rank: the variant stops here
+                    _write_rows(args, pending)
+                    _emit(args, dict(row, error=str(exc)))
+                    # An upload of a rank that did not fail may still wait in the old group.
+                    group = dist.new_group(backend="gloo")
+                    break
                 row["pinned_gib"] = round(stager.cached_bytes() / GiB, 3) if te_stager else None
                 if te_stager:
                     row["overlapping_stagings"] = stager.overlapping_stagings
@@ -399,14 +698,21 @@ def run(args, base, offload):
 
 def _write_rows(args, pending):
     """Wait for the uploads of `pending` ([(row, this rank's times, (upload, its event))]),
-    then write their rows (times: the slowest rank's) and empty it."""
+    then write their rows (times: the slowest rank's; an upload that failed on a rank: its
+    error) and empty it."""
     for row, times, (upload, uploaded) in pending:
-        upload.result()
+        failed = _wait_on_every_rank(upload)
+        if failed is not None:  # with --overlap (else checkpoint() raised CheckpointFailed)
+            _emit(args, dict(row, error=failed))
+            continue
         uploaded.wait()
         # In one order on every rank: a rank's upload may set uploaded_s before its iteration
         # has set total_s.
         for key in sorted(times):
-            row[key] = round(_max_over_ranks(times[key]), 4)
+            if key.endswith("_bytes"):  # integers, or None
+                row[key] = _max_bytes_over_ranks(times[key])
+            else:
+                row[key] = round(_max_over_ranks(times[key]), 4)
         row["stall_s"] = round(row["total_s"] - row["iteration_s"], 4)
         if "after_iterations" in row:
             row["after_iterations"] = int(row["after_iterations"])
@@ -450,6 +756,23 @@ def main():
         action="store_true",
         help="te_ variants: stager.prepare() before the first checkpoint, training until done",
     )
+    parser.add_argument(
+        "--store-param-remainders",
+        action="store_true",
+        help="FusedAdam(store_param_remainders=True): int16 remainders as the master weights",
+    )
+    parser.add_argument(
+        "--default-stager-options",
+        choices=["automodel", "unshared"],
+        default="unshared",
+        help="default_stager variants: DefaultStager() (pinned, shared memory) or unshared",
+    )
+    parser.add_argument(
+        "--checkpointer",
+        choices=list(CHECKPOINTERS),
+        default="thread",
+        help="dcp.async_save's async_checkpointer_type: upload in a thread or a background process",
+    )
     parser.add_argument("--out", help="append the JSON lines to this file")
     args = parser.parse_args()
     if args.baseline < 1 or args.warmup < 1:
@@ -458,11 +781,20 @@ def main():
         parser.error("--train-during-upload waits for each upload; --overlap does not")
     if "torch_checkpointing" in args.variants and (args.write_delay_s or args.overlap):
         parser.error("torch_checkpointing runs without --write-delay-s and --overlap")
+    if args.checkpointer == "process":
+        if args.overlap:
+            parser.error(
+                "--checkpointer process takes one upload at a time; --overlap overlaps them"
+            )
+        refused = [v for v in args.variants if v.startswith("te_") or v == "torch_checkpointing"]
+        if refused:
+            parser.error(f"--checkpointer process is for torch's stagers, not {' '.join(refused)}")
     torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
     dist.init_process_group(backend="cpu:gloo,cuda:nccl")
     base = {
         "world_size": dist.get_world_size(),
         "local_log2": args.local_log2,
+        "store_param_remainders": args.store_param_remainders,
         "gpu": torch.cuda.get_device_name(),
         "cpus": os.cpu_count(),
         # PyTorch's intra-op threads, on which te_snapshot's BF16 widening runs

@@ -96,6 +96,9 @@ def _build(args, offload):
         master_weights=True,
         exp_avg_dtype=torch.bfloat16,
         exp_avg_sq_dtype=torch.bfloat16,
+        # The master weights as int16 remainders of the BF16 parameters, where a caller's
+        # arguments ask for them (benchmark_checkpoint_stall.py's --store-param-remainders)
+        store_param_remainders=getattr(args, "store_param_remainders", False),
         state_dict_cpu_offload=offload,
     )
     return model, optimizer, width
