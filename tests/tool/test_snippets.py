@@ -231,14 +231,28 @@ def test_shell_blocks_run_in_order_as_a_new_user_would(tmp_path):
     assert not (site / "te_fusedadam_offload").exists()
 
 
-def test_the_configuration_snippet_names_the_option_and_a_real_target(pristine):
-    """The Hydra/NeMo-style YAML block: FusedAdam's import path as TE has it, the option."""
-    (block,) = [b for b in BLOCKS if b.lang == "yaml"]
-    target = re.search(r"_target_: *(\S+)", block.code).group(1)
-    module, _, name = target.rpartition(".")
-    init = pristine / module.replace(".", "/") / "__init__.py"
-    assert re.search(rf"\bimport\b.*\b{name}\b", init.read_text(encoding="utf-8")), target
-    assert re.search(r"^\s*state_dict_cpu_offload: true$", block.code, re.M)
+def test_the_configuration_snippets_name_the_option_and_a_real_target(pristine):
+    """The Hydra/NeMo-style YAML blocks (docs/checkpointing.rst's, NeMo Automodel's in
+    docs/frameworks.rst): FusedAdam's import path as TE has it, through a package that imports
+    it or the module that defines it, and the option."""
+    blocks = [b for b in BLOCKS if b.lang == "yaml"]
+    assert [b.where.split(":")[0] for b in blocks] == [
+        "docs/checkpointing.rst",
+        "docs/frameworks.rst",
+    ]
+    for block in blocks:
+        target = re.search(r"_target_: *(\S+)", block.code).group(1)
+        module, _, name = target.rpartition(".")
+        where = pristine / module.replace(".", "/")
+        init = where / "__init__.py"
+        if init.is_file():  # a package: it imports the class
+            found = re.search(rf"\bimport\b.*\b{name}\b", init.read_text(encoding="utf-8"))
+        else:  # a module: it defines the class
+            found = re.search(
+                rf"^class {name}\b", where.with_suffix(".py").read_text("utf-8"), re.M
+            )
+        assert found, f"{block.where}: {target}"
+        assert re.search(r"^\s*state_dict_cpu_offload: true$", block.code, re.M), block.where
 
 
 def test_each_way_out_that_reinstalls_te_says_to_delete_what_apply_saved():
