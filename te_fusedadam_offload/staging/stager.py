@@ -102,10 +102,12 @@ class PinnedStager(AsyncStager):
 
     @contextlib.contextmanager
     def _call(self, method):
-        """The lock and autograd off (as in DCP's stagers: a copy of a parameter would make the
-        kept buffer a node of its graph) for `method`, which makes buffers or their thread; a
-        close() from a signal handler in it leaves the freeing to its end, however it ends."""
-        with self._lock, torch.no_grad():
+        """The lock, inference mode off (buffers made in it would be inference tensors, which
+        no later staging outside it could write) and autograd off (as in DCP's stagers: a copy
+        of a parameter would make the kept buffer a node of its graph) for `method`, which
+        makes buffers or their thread; a close() from a signal handler in it leaves the
+        freeing to its end, however it ends."""
+        with self._lock, torch.inference_mode(False), torch.no_grad():
             self._staging = True  # before the check: a close() right after it is then seen
             try:
                 if self._closed:

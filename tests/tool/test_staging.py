@@ -1272,6 +1272,24 @@ def test_views_of_one_array_in_a_load_template_are_tied_or_refused_by_their_memo
     stager.close()
 
 
+@pytest.mark.parametrize("first", ["stage", "load_template"])
+def test_a_staging_under_inference_mode_leaves_buffers_that_later_stagings_reuse(first):
+    """A checkpoint (or a load template) taken under torch.inference_mode() made the kept
+    buffers inference tensors, and every later staging outside inference mode raised (an
+    in-place update of an inference tensor). The buffers are made outside inference mode."""
+    weight = torch.randn(4)
+    stager = CheckpointStager()
+    with torch.inference_mode():
+        getattr(stager, first)({"w": weight})
+    pointers = stager._buffers.pointers()
+    staged = stager.stage({"w": weight})
+    assert torch.equal(staged["w"], weight) and not staged["w"].is_inference()
+    assert stager._buffers.pointers() == pointers
+    with torch.inference_mode():
+        assert torch.equal(stager.stage({"w": weight + 1})["w"], weight + 1)
+    stager.close()
+
+
 def test_load_template_refuses_while_a_staging_is_not_complete_and_after_close():
     hold = threading.Event()
     stager = StandIn(async_staging=True, hold=hold)
