@@ -185,7 +185,7 @@ class Walk:
         part."""
         spans = (
             (str(device), address, address + span(dtype, shape, stride), path)
-            for (device, address, dtype, shape, stride), (path, _) in self.sources.items()
+            for (device, address, dtype, shape, stride, *_), (path, _) in self.sources.items()
         )
         for earlier, path in overlapping(spans):
             raise ValueError(
@@ -255,8 +255,10 @@ def _holds_tensor(value, path):
 
 
 def _layout(tensor):
-    """Which memory `tensor` is, and as what."""
-    return tensor.device, tensor.data_ptr(), tensor.dtype, tensor.shape, tensor.stride()
+    """Which memory `tensor` is, and as what: a conjugate or negative view of it is another
+    view (DCP reads each key through its own)."""
+    view = tensor.dtype, tensor.shape, tensor.stride(), tensor.is_conj(), tensor.is_neg()
+    return tensor.device, tensor.data_ptr(), *view
 
 
 def span(dtype, shape, stride):

@@ -1290,6 +1290,20 @@ def test_a_staging_under_inference_mode_leaves_buffers_that_later_stagings_reuse
     stager.close()
 
 
+@pytest.mark.parametrize("view", [torch.conj, torch._neg_view], ids=["conj", "neg"])
+def test_a_conjugate_or_negative_view_in_a_load_template_is_refused(view):
+    """A conjugate (or negative) view of a tensor under another key has the tensor's address,
+    dtype, shape and stride: the load template took it as the same tensor and gave both keys
+    one buffer, loading other values than DCP loads into the state dict itself (which reads
+    both keys, one through the view). It is a different view of the same memory: refused."""
+    tensor = torch.zeros(2, dtype=torch.complex64)
+    stager = CheckpointStager()
+    with pytest.raises(ValueError, match="b and a share memory"):
+        stager.load_template({"a": tensor, "b": view(tensor)})
+    assert len(stager.load_template({"a": view(tensor)})["a"]) == 2  # alone: its value
+    stager.close()
+
+
 def test_load_template_refuses_while_a_staging_is_not_complete_and_after_close():
     hold = threading.Event()
     stager = StandIn(async_staging=True, hold=hold)
