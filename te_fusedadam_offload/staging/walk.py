@@ -83,8 +83,9 @@ class Walk:
     (buffers is a Specs) and "template" (the buffers without copies), whose copies are
     never run."""
 
-    def __init__(self, stager, buffers, mode="stage"):
+    def __init__(self, stager, buffers, mode="stage", fresh=()):
         self.stager, self.buffers, self.mode = stager, buffers, mode
+        self.fresh = fresh  # paths whose kept buffers a live tensor lies in: new ones
         self.cpu = []  # (buffer view, CPU tensor): copied in stage()
         self.gpu = []  # (buffer view, CUDA tensor): copied on the side stream
         self.deferred = []  # f(walk, stream), run once the GPU copies are enqueued (snapshot)
@@ -95,6 +96,25 @@ class Walk:
         self.private = None  # the Private being walked
         self.own = set()  # addresses of this staging's buffers that an Extension filled
         self.sources = {}  # template: the layout of a tensor's memory: (path, its buffer)
+        self.lying = []  # (start, end) of the CPU tensors copied or passed through
+
+    @classmethod
+    def apart(cls, stager, buffers, state_dict, mode="stage"):
+        """A walk of `state_dict` (stage or template) and its staged form, in which no buffer
+        reused holds a tensor that the walk copies or passes through: a load with
+        assign=True may have kept a template's buffers as live tensors under any key, and a
+        copy into them would change those. Such buffers' paths get new ones (as an
+        overlapping staging's do) in a walk made again: rare, the next staging keeps them."""
+        fresh = set()
+        while True:
+            kept = buffers.entries()
+            walk = cls(stager, buffers, mode, fresh)
+            staged = walk.state_dict(state_dict)
+            lying = buffers.lying_in(walk.lying, walk.paths)
+            if not lying:
+                return walk, staged
+            buffers.restore(kept)
+            fresh = fresh | lying
 
     def state_dict(self, state_dict):
         """The staged form of a whole state dict. A Stateful at its top level (modules and
@@ -159,7 +179,16 @@ class Walk:
             return False
         if local.untyped_storage().data_ptr() in self.own:
             return True
-        return self.private is not None and self.private.passes(tensor)
+        if self.private is None or not self.private.passes(tensor):
+            return False
+        self._lies(local)
+        return True
+
+    def _lies(self, tensor):
+        """Note the CPU memory of `tensor`, which no buffer of this walk may be."""
+        if tensor.numel():
+            start = tensor.data_ptr()
+            self.lying.append((start, start + span(tensor.dtype, tensor.shape, tensor.stride())))
 
     def _copy(self, tensor, path):
         device = self.stager._copy_device(tensor, path)
@@ -169,10 +198,11 @@ class Walk:
         layout = _layout(tensor) if self.mode == "template" and tensor.numel() else None
         if layout in self.sources:
             return self.sources[layout][1]
-        view = self.buffer(path, tensor.shape, tensor.dtype, source=tensor)
+        view = self.buffer(path, tensor.shape, tensor.dtype)
         if layout is not None:
             self.sources[layout] = (path, view)
         if device is None:
+            self._lies(tensor)
             self.cpu.append((view, tensor))
         else:
             self.use_device(device, path)
@@ -195,11 +225,10 @@ class Walk:
                 "itself)"
             )
 
-    def buffer(self, path, shape, dtype, source=None):
-        """A view of the stager's buffer of `path` for this staging (not the memory of
-        `source`, the tensor copied into it)."""
+    def buffer(self, path, shape, dtype):
+        """A view of the stager's buffer of `path` for this staging."""
         view, held = self.buffers.view(
-            path, shape, dtype, track=self.mode == "stage", source=source
+            path, shape, dtype, track=self.mode == "stage", fresh=path in self.fresh
         )
         self.paths.append(path)
         if held:

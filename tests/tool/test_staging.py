@@ -1304,6 +1304,31 @@ def test_a_conjugate_or_negative_view_in_a_load_template_is_refused(view):
     stager.close()
 
 
+@pytest.mark.parametrize("then", ["stage", "load_template"])
+def test_a_live_tensor_in_another_keys_buffer_is_not_overwritten(then):
+    """A load with assign=True that keeps the template's tensors under other keys (layers
+    remapped) leaves live tensors in the buffers of other keys. The next staging checked only
+    the buffer of a tensor's own key: it copied each tensor into another live tensor, changing
+    the model and saving other values. Now no buffer that a staged tensor lies in is reused."""
+    stager = CheckpointStager()
+    template = stager.load_template(
+        {"l0": torch.zeros(4), "l1": torch.zeros(4), "b": torch.ones(2)}
+    )
+    template["l0"].fill_(1.0)
+    template["l1"].fill_(2.0)
+    live = {"l0": template["l1"], "l1": template["l0"], "b": torch.ones(2)}  # reversed layers
+    expected = _cpu_copies(live)
+    staged = getattr(stager, then)(live)
+    _same(_cpu_copies(live), expected)  # the live tensors as they were
+    _same(_cpu_copies(staged), expected)  # and what the staging holds
+    assert not {t.data_ptr() for t in staged.values()} & {t.data_ptr() for t in live.values()}
+    del staged  # as an upload done: its buffers are free
+    again = stager.stage(live)  # those made for the live tensors are reused as any other
+    assert stager.overlapping_stagings == 0
+    _same(_cpu_copies(again), expected)
+    stager.close()
+
+
 def test_load_template_refuses_while_a_staging_is_not_complete_and_after_close():
     hold = threading.Event()
     stager = StandIn(async_staging=True, hold=hold)
