@@ -15,6 +15,7 @@ values of the :class:`Extension` type stage themselves.
 
 import copy
 import pickle
+from bisect import bisect_left
 
 import torch
 from torch.distributed.checkpoint.stateful import Stateful
@@ -97,6 +98,7 @@ class Walk:
         self.own = set()  # addresses of this staging's buffers that an Extension filled
         self.sources = {}  # template: the layout of a tensor's memory: (path, its buffer)
         self.lying = []  # (start, end) of the CPU tensors copied or passed through
+        self.statefuls = []  # template: (key, Stateful) of the top level, kept as they are
 
     @classmethod
     def apart(cls, stager, buffers, state_dict, mode="stage"):
@@ -127,6 +129,7 @@ class Walk:
             staged = self.value(state_dict, ())
         if self.mode == "template":
             self._refuse_overlaps()
+            self._refuse_stateful_overlaps()
         return staged
 
     def _top(self, key, value):
@@ -134,6 +137,7 @@ class Walk:
         if not isinstance(value, Stateful) or isinstance(value, (Extension, torch.Tensor)):
             return self.value(value, (key,))
         if self.mode == "template":
+            self.statefuls.append((key, value))
             return value  # the caller's own, for dcp.load to restore
         return self.value(value.state_dict(), (key,))
 
@@ -209,20 +213,44 @@ class Walk:
             self.gpu.append((view, tensor))
         return view
 
+    def _spans(self):
+        """In a template: (device, start, end, path) of the tensors given buffers."""
+        return [
+            (str(device), address, address + span(dtype, shape, stride), path)
+            for (device, address, dtype, shape, stride, *_), (path, _) in self.sources.items()
+        ]
+
     def _refuse_overlaps(self):
         """In a template: refuse two different views of overlapping memory (whatever their
         storages: two numpy views of one array), which DCP would load one over the other in
         part."""
-        spans = (
-            (str(device), address, address + span(dtype, shape, stride), path)
-            for (device, address, dtype, shape, stride, *_), (path, _) in self.sources.items()
-        )
-        for earlier, path in overlapping(spans):
+        for earlier, path in overlapping(self._spans()):
             raise ValueError(
                 f"CheckpointStager.load_template(): {name(path)} and {name(earlier)} "
                 "share memory but are different views of it, which DCP would load one "
                 "over the other in part; pass one of them (or load into the state dict "
                 "itself)"
+            )
+
+    def _refuse_stateful_overlaps(self):
+        """In a template: refuse a tensor given a buffer that shares memory with a tensor of a
+        top-level Stateful's state_dict() (the template keeps the Stateful as the caller's
+        object, which dcp.load loads into in place): the two would load apart, where DCP
+        loads both into that memory."""
+        if not self.statefuls:
+            return
+        theirs = [
+            (str(t.device), t.data_ptr(), t.data_ptr() + span(t.dtype, t.shape, t.stride()), p)
+            for key, stateful in self.statefuls
+            for p, t in _tensors(stateful.state_dict(), (key,))
+        ]
+        for owner, path in _meeting(self._spans(), theirs):
+            raise ValueError(
+                f"CheckpointStager.load_template(): {name(path)} shares memory with "
+                f"{name(owner)}, a tensor of the Stateful {owner[0]!r}, which the template keeps "
+                f"as your object (dcp.load loads into it in place), while {name(path)} would "
+                "load into a buffer apart from it; pass that tensor once (or load into the "
+                "state dict itself)"
             )
 
     def buffer(self, path, shape, dtype):
@@ -305,6 +333,38 @@ def overlapping(spans):
             yield furthest[3], key
         if furthest is None or furthest[0] != device or end > furthest[2]:
             furthest = (device, start, end, key)
+
+
+def _meeting(spans, others):
+    """Pairs (key of one of `others`, key) of the `spans` that overlap one of `others`, all
+    (device, start, end, key): `others` sorted by address, with the one reaching furthest up
+    to each, and each span's last one starting before its end found by bisection."""
+    others = sorted(others, key=lambda item: item[:3])
+    firsts = [item[:2] for item in others]
+    reach = []  # the one of others[:i + 1] that reaches furthest on others[i]'s device
+    for item in others:
+        last = reach[-1] if reach else None
+        keep = last is not None and last[0] == item[0] and last[2] >= item[2]
+        reach.append(last if keep else item)
+    for device, start, end, key in spans:
+        i = bisect_left(firsts, (device, end)) - 1
+        if i >= 0 and reach[i][0] == device and reach[i][2] > start:
+            yield reach[i][3], key
+
+
+def _tensors(value, path):
+    """(path, tensor) of the strided, not empty tensors in `value` (DTensors' local ones),
+    through dicts, lists and tuples."""
+    value = value._local_tensor if isinstance(value, DTensor) else value
+    if isinstance(value, torch.Tensor):
+        if value.layout == torch.strided and value.numel():
+            yield path, value
+    elif isinstance(value, dict):
+        for key, item in value.items():
+            yield from _tensors(item, (*path, key))
+    elif isinstance(value, (list, tuple)):
+        for index, item in enumerate(value):
+            yield from _tensors(item, (*path, index))
 
 
 def _check_type(tensor, path):

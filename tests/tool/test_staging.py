@@ -1329,6 +1329,21 @@ def test_a_live_tensor_in_another_keys_buffer_is_not_overwritten(then):
     stager.close()
 
 
+@pytest.mark.parametrize("part", [lambda w: w, lambda w: w[1]], ids=["same", "part"])
+def test_a_tensor_sharing_memory_with_a_stateful_in_a_load_template_is_refused(part):
+    """A top-level Stateful stays the caller's object in a load template, which DCP loads into
+    in place; another key holding one of its tensors (an EMA's view of a weight) got a buffer
+    of its own, so the template loaded other values than DCP loads into the state dict
+    itself. It is refused, with the ValueError of tensors that share memory."""
+    model = torch.nn.Linear(2, 2)
+    stager = CheckpointStager()
+    with pytest.raises(ValueError, match="ema/w shares memory with model/weight"):
+        stager.load_template({"model": model, "ema": {"w": part(model.weight.detach())}})
+    template = stager.load_template({"model": model, "ema": {"w": model.weight.clone()}})
+    assert template["model"] is model
+    stager.close()
+
+
 def test_load_template_refuses_while_a_staging_is_not_complete_and_after_close():
     hold = threading.Event()
     stager = StandIn(async_staging=True, hold=hold)
