@@ -9,6 +9,7 @@ import inspect
 import threading
 import time
 import weakref
+from bisect import bisect_right
 from concurrent.futures import Future, wait
 
 import torch
@@ -27,16 +28,14 @@ class BufferCache:
         self._entries = {}
         self._preparing = None  # the future of the last prepare()
 
-    def view(self, path, shape, dtype, *, track=True, source=None):
+    def view(self, path, shape, dtype, *, track=True, fresh=False):
         """A view of the buffer of `path` for this staging, and whether the last buffer was
         still held (an upload not done), so that this one is new. With track=False, the next
-        staging reuses the buffer even while that view is alive (a load template's). A buffer
-        that is the memory of `source` (a tensor that a load kept as the template gave it) is
-        not reused: the copy would be the live tensor itself."""
+        staging reuses the buffer even while that view is alive (a load template's). With
+        fresh=True, the buffer is new (a live tensor lies in the kept one: :meth:`lying_in`)."""
         buffer, last = self._entries.get(path, (None, None))
         held = last is not None and last() is not None
-        mine = buffer is not None and source is not None and _shares(buffer, source)
-        if held or mine or not _fits(buffer, shape, dtype):
+        if held or fresh or not _fits(buffer, shape, dtype):
             buffer = torch.empty(shape, dtype=dtype, pin_memory=self.pin_memory)
         view = buffer.view(buffer.shape)
         self._entries[path] = (buffer, weakref.ref(view) if track else None)
@@ -89,6 +88,35 @@ class BufferCache:
         self._entries.update(made)
         return sum(b.numel() * b.element_size() for b, _ in made.values())
 
+    def lying_in(self, spans, paths):
+        """The paths of `paths` whose kept buffers hold a byte of the `spans` ((start, end) of
+        CPU memory: the tensors that a staging copies or passes through, which a load with
+        assign=True may have left in the buffers of any path): the buffers, disjoint, sorted
+        by address, and each span's first one found by bisection."""
+        paths = set(paths)
+        kept = sorted(
+            (buffer.data_ptr(), buffer.data_ptr() + buffer.nbytes, path)
+            for path, (buffer, _) in self._entries.items()
+            if path in paths and buffer.nbytes
+        )
+        starts = [start for start, _, _ in kept]
+        found = set()
+        for start, end in spans:
+            i = max(bisect_right(starts, start) - 1, 0)
+            while i < len(kept) and kept[i][0] < end:
+                if kept[i][1] > start:
+                    found.add(kept[i][2])
+                i += 1
+        return found
+
+    def entries(self):
+        """The buffers kept, for :meth:`restore`."""
+        return dict(self._entries)
+
+    def restore(self, entries):
+        """Keep `entries` (of :meth:`entries`) again: a walk made again makes its own."""
+        self._entries = entries
+
     def keep_only(self, paths):
         """Free the buffers of the paths that the last staging did not have."""
         paths = set(paths)
@@ -123,15 +151,6 @@ class BufferCache:
 def _fits(buffer, shape, dtype):
     """Whether `buffer` (None: none yet) is of `shape` and `dtype`."""
     return buffer is not None and buffer.shape == shape and buffer.dtype == dtype
-
-
-def _shares(buffer, tensor):
-    """Whether `tensor` (a DTensor's local tensor too) lies in the memory of `buffer`."""
-    tensor = getattr(tensor, "_local_tensor", tensor)
-    if tensor.device.type != "cpu":
-        return False
-    start = buffer.untyped_storage().data_ptr()
-    return start <= tensor.untyped_storage().data_ptr() < start + buffer.untyped_storage().nbytes()
 
 
 PROCESS_REFUSED = (

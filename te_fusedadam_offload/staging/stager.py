@@ -102,10 +102,12 @@ class PinnedStager(AsyncStager):
 
     @contextlib.contextmanager
     def _call(self, method):
-        """The lock and autograd off (as in DCP's stagers: a copy of a parameter would make the
-        kept buffer a node of its graph) for `method`, which makes buffers or their thread; a
-        close() from a signal handler in it leaves the freeing to its end, however it ends."""
-        with self._lock, torch.no_grad():
+        """The lock, inference mode off (buffers made in it would be inference tensors, which
+        no later staging outside it could write) and autograd off (as in DCP's stagers: a copy
+        of a parameter would make the kept buffer a node of its graph) for `method`, which
+        makes buffers or their thread; a close() from a signal handler in it leaves the
+        freeing to its end, however it ends."""
+        with self._lock, torch.inference_mode(False), torch.no_grad():
             self._staging = True  # before the check: a close() right after it is then seen
             try:
                 if self._closed:
@@ -125,8 +127,7 @@ class PinnedStager(AsyncStager):
     def _stage(self, state_dict):
         self._buffers.wait_prepared()
         self._buffers.wait_released(0.01)
-        walk = Walk(self, self._buffers)
-        staged = walk.state_dict(state_dict)
+        walk, staged = Walk.apart(self, self._buffers, state_dict)
         if walk.held:
             self.overlapping_stagings += 1
         self._buffers.keep_only(walk.paths)
@@ -239,8 +240,7 @@ class PinnedStager(AsyncStager):
             self._refuse_pending("load_template() called while a staging is not complete")
             # No keep_only(): a template of a part (the model, then the optimizer) keeps the
             # prepared buffers of the rest; the next stage() frees those it does not take.
-            walk = Walk(self, self._buffers, mode="template")
-            template = walk.state_dict(state_dict)
+            walk, template = Walk.apart(self, self._buffers, state_dict, mode="template")
             for dst, src in walk.cpu:
                 dst.copy_(src)
             if walk.device is not None:

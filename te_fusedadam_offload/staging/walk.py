@@ -15,6 +15,7 @@ values of the :class:`Extension` type stage themselves.
 
 import copy
 import pickle
+from bisect import bisect_left
 
 import torch
 from torch.distributed.checkpoint.stateful import Stateful
@@ -83,8 +84,9 @@ class Walk:
     (buffers is a Specs) and "template" (the buffers without copies), whose copies are
     never run."""
 
-    def __init__(self, stager, buffers, mode="stage"):
+    def __init__(self, stager, buffers, mode="stage", fresh=()):
         self.stager, self.buffers, self.mode = stager, buffers, mode
+        self.fresh = fresh  # paths whose kept buffers a live tensor lies in: new ones
         self.cpu = []  # (buffer view, CPU tensor): copied in stage()
         self.gpu = []  # (buffer view, CUDA tensor): copied on the side stream
         self.deferred = []  # f(walk, stream), run once the GPU copies are enqueued (snapshot)
@@ -95,6 +97,26 @@ class Walk:
         self.private = None  # the Private being walked
         self.own = set()  # addresses of this staging's buffers that an Extension filled
         self.sources = {}  # template: the layout of a tensor's memory: (path, its buffer)
+        self.lying = []  # (start, end) of the CPU tensors copied or passed through
+        self.statefuls = []  # template: (key, Stateful) of the top level, kept as they are
+
+    @classmethod
+    def apart(cls, stager, buffers, state_dict, mode="stage"):
+        """A walk of `state_dict` (stage or template) and its staged form, in which no buffer
+        reused holds a tensor that the walk copies or passes through: a load with
+        assign=True may have kept a template's buffers as live tensors under any key, and a
+        copy into them would change those. Such buffers' paths get new ones (as an
+        overlapping staging's do) in a walk made again: rare, the next staging keeps them."""
+        fresh = set()
+        while True:
+            kept = buffers.entries()
+            walk = cls(stager, buffers, mode, fresh)
+            staged = walk.state_dict(state_dict)
+            lying = buffers.lying_in(walk.lying, walk.paths)
+            if not lying:
+                return walk, staged
+            buffers.restore(kept)
+            fresh = fresh | lying
 
     def state_dict(self, state_dict):
         """The staged form of a whole state dict. A Stateful at its top level (modules and
@@ -107,6 +129,7 @@ class Walk:
             staged = self.value(state_dict, ())
         if self.mode == "template":
             self._refuse_overlaps()
+            self._refuse_stateful_overlaps()
         return staged
 
     def _top(self, key, value):
@@ -114,6 +137,7 @@ class Walk:
         if not isinstance(value, Stateful) or isinstance(value, (Extension, torch.Tensor)):
             return self.value(value, (key,))
         if self.mode == "template":
+            self.statefuls.append((key, value))
             return value  # the caller's own, for dcp.load to restore
         return self.value(value.state_dict(), (key,))
 
@@ -159,7 +183,16 @@ class Walk:
             return False
         if local.untyped_storage().data_ptr() in self.own:
             return True
-        return self.private is not None and self.private.passes(tensor)
+        if self.private is None or not self.private.passes(tensor):
+            return False
+        self._lies(local)
+        return True
+
+    def _lies(self, tensor):
+        """Note the CPU memory of `tensor`, which no buffer of this walk may be."""
+        if tensor.numel():
+            start = tensor.data_ptr()
+            self.lying.append((start, start + span(tensor.dtype, tensor.shape, tensor.stride())))
 
     def _copy(self, tensor, path):
         device = self.stager._copy_device(tensor, path)
@@ -169,25 +202,29 @@ class Walk:
         layout = _layout(tensor) if self.mode == "template" and tensor.numel() else None
         if layout in self.sources:
             return self.sources[layout][1]
-        view = self.buffer(path, tensor.shape, tensor.dtype, source=tensor)
+        view = self.buffer(path, tensor.shape, tensor.dtype)
         if layout is not None:
             self.sources[layout] = (path, view)
         if device is None:
+            self._lies(tensor)
             self.cpu.append((view, tensor))
         else:
             self.use_device(device, path)
             self.gpu.append((view, tensor))
         return view
 
+    def _spans(self):
+        """In a template: (device, start, end, path) of the tensors given buffers."""
+        return [
+            (str(device), address, address + span(dtype, shape, stride), path)
+            for (device, address, dtype, shape, stride, *_), (path, _) in self.sources.items()
+        ]
+
     def _refuse_overlaps(self):
         """In a template: refuse two different views of overlapping memory (whatever their
         storages: two numpy views of one array), which DCP would load one over the other in
         part."""
-        spans = (
-            (str(device), address, address + span(dtype, shape, stride), path)
-            for (device, address, dtype, shape, stride), (path, _) in self.sources.items()
-        )
-        for earlier, path in overlapping(spans):
+        for earlier, path in overlapping(self._spans()):
             raise ValueError(
                 f"CheckpointStager.load_template(): {name(path)} and {name(earlier)} "
                 "share memory but are different views of it, which DCP would load one "
@@ -195,11 +232,31 @@ class Walk:
                 "itself)"
             )
 
-    def buffer(self, path, shape, dtype, source=None):
-        """A view of the stager's buffer of `path` for this staging (not the memory of
-        `source`, the tensor copied into it)."""
+    def _refuse_stateful_overlaps(self):
+        """In a template: refuse a tensor given a buffer that shares memory with a tensor of a
+        top-level Stateful's state_dict() (the template keeps the Stateful as the caller's
+        object, which dcp.load loads into in place): the two would load apart, where DCP
+        loads both into that memory."""
+        if not self.statefuls:
+            return
+        theirs = [
+            (str(t.device), t.data_ptr(), t.data_ptr() + span(t.dtype, t.shape, t.stride()), p)
+            for key, stateful in self.statefuls
+            for p, t in _tensors(stateful.state_dict(), (key,))
+        ]
+        for owner, path in _meeting(self._spans(), theirs):
+            raise ValueError(
+                f"CheckpointStager.load_template(): {name(path)} shares memory with "
+                f"{name(owner)}, a tensor of the Stateful {owner[0]!r}, which the template keeps "
+                f"as your object (dcp.load loads into it in place), while {name(path)} would "
+                "load into a buffer apart from it; pass that tensor once (or load into the "
+                "state dict itself)"
+            )
+
+    def buffer(self, path, shape, dtype):
+        """A view of the stager's buffer of `path` for this staging."""
         view, held = self.buffers.view(
-            path, shape, dtype, track=self.mode == "stage", source=source
+            path, shape, dtype, track=self.mode == "stage", fresh=path in self.fresh
         )
         self.paths.append(path)
         if held:
@@ -255,8 +312,10 @@ def _holds_tensor(value, path):
 
 
 def _layout(tensor):
-    """Which memory `tensor` is, and as what."""
-    return tensor.device, tensor.data_ptr(), tensor.dtype, tensor.shape, tensor.stride()
+    """Which memory `tensor` is, and as what: a conjugate or negative view of it is another
+    view (DCP reads each key through its own)."""
+    view = tensor.dtype, tensor.shape, tensor.stride(), tensor.is_conj(), tensor.is_neg()
+    return tensor.device, tensor.data_ptr(), *view
 
 
 def span(dtype, shape, stride):
@@ -274,6 +333,38 @@ def overlapping(spans):
             yield furthest[3], key
         if furthest is None or furthest[0] != device or end > furthest[2]:
             furthest = (device, start, end, key)
+
+
+def _meeting(spans, others):
+    """Pairs (key of one of `others`, key) of the `spans` that overlap one of `others`, all
+    (device, start, end, key): `others` sorted by address, with the one reaching furthest up
+    to each, and each span's last one starting before its end found by bisection."""
+    others = sorted(others, key=lambda item: item[:3])
+    firsts = [item[:2] for item in others]
+    reach = []  # the one of others[:i + 1] that reaches furthest on others[i]'s device
+    for item in others:
+        last = reach[-1] if reach else None
+        keep = last is not None and last[0] == item[0] and last[2] >= item[2]
+        reach.append(last if keep else item)
+    for device, start, end, key in spans:
+        i = bisect_left(firsts, (device, end)) - 1
+        if i >= 0 and reach[i][0] == device and reach[i][2] > start:
+            yield reach[i][3], key
+
+
+def _tensors(value, path):
+    """(path, tensor) of the strided, not empty tensors in `value` (DTensors' local ones),
+    through dicts, lists and tuples."""
+    value = value._local_tensor if isinstance(value, DTensor) else value
+    if isinstance(value, torch.Tensor):
+        if value.layout == torch.strided and value.numel():
+            yield path, value
+    elif isinstance(value, dict):
+        for key, item in value.items():
+            yield from _tensors(item, (*path, key))
+    elif isinstance(value, (list, tuple)):
+        for index, item in enumerate(value):
+            yield from _tensors(item, (*path, index))
 
 
 def _check_type(tensor, path):

@@ -1272,6 +1272,78 @@ def test_views_of_one_array_in_a_load_template_are_tied_or_refused_by_their_memo
     stager.close()
 
 
+@pytest.mark.parametrize("first", ["stage", "load_template"])
+def test_a_staging_under_inference_mode_leaves_buffers_that_later_stagings_reuse(first):
+    """A checkpoint (or a load template) taken under torch.inference_mode() made the kept
+    buffers inference tensors, and every later staging outside inference mode raised (an
+    in-place update of an inference tensor). The buffers are made outside inference mode."""
+    weight = torch.randn(4)
+    stager = CheckpointStager()
+    with torch.inference_mode():
+        getattr(stager, first)({"w": weight})
+    pointers = stager._buffers.pointers()
+    staged = stager.stage({"w": weight})
+    assert torch.equal(staged["w"], weight) and not staged["w"].is_inference()
+    assert stager._buffers.pointers() == pointers
+    with torch.inference_mode():
+        assert torch.equal(stager.stage({"w": weight + 1})["w"], weight + 1)
+    stager.close()
+
+
+@pytest.mark.parametrize("view", [torch.conj, torch._neg_view], ids=["conj", "neg"])
+def test_a_conjugate_or_negative_view_in_a_load_template_is_refused(view):
+    """A conjugate (or negative) view of a tensor under another key has the tensor's address,
+    dtype, shape and stride: the load template took it as the same tensor and gave both keys
+    one buffer, loading other values than DCP loads into the state dict itself (which reads
+    both keys, one through the view). It is a different view of the same memory: refused."""
+    tensor = torch.zeros(2, dtype=torch.complex64)
+    stager = CheckpointStager()
+    with pytest.raises(ValueError, match="b and a share memory"):
+        stager.load_template({"a": tensor, "b": view(tensor)})
+    assert len(stager.load_template({"a": view(tensor)})["a"]) == 2  # alone: its value
+    stager.close()
+
+
+@pytest.mark.parametrize("then", ["stage", "load_template"])
+def test_a_live_tensor_in_another_keys_buffer_is_not_overwritten(then):
+    """A load with assign=True that keeps the template's tensors under other keys (layers
+    remapped) leaves live tensors in the buffers of other keys. The next staging checked only
+    the buffer of a tensor's own key: it copied each tensor into another live tensor, changing
+    the model and saving other values. Now no buffer that a staged tensor lies in is reused."""
+    stager = CheckpointStager()
+    template = stager.load_template(
+        {"l0": torch.zeros(4), "l1": torch.zeros(4), "b": torch.ones(2)}
+    )
+    template["l0"].fill_(1.0)
+    template["l1"].fill_(2.0)
+    live = {"l0": template["l1"], "l1": template["l0"], "b": torch.ones(2)}  # reversed layers
+    expected = _cpu_copies(live)
+    staged = getattr(stager, then)(live)
+    _same(_cpu_copies(live), expected)  # the live tensors as they were
+    _same(_cpu_copies(staged), expected)  # and what the staging holds
+    assert not {t.data_ptr() for t in staged.values()} & {t.data_ptr() for t in live.values()}
+    del staged  # as an upload done: its buffers are free
+    again = stager.stage(live)  # those made for the live tensors are reused as any other
+    assert stager.overlapping_stagings == 0
+    _same(_cpu_copies(again), expected)
+    stager.close()
+
+
+@pytest.mark.parametrize("part", [lambda w: w, lambda w: w[1]], ids=["same", "part"])
+def test_a_tensor_sharing_memory_with_a_stateful_in_a_load_template_is_refused(part):
+    """A top-level Stateful stays the caller's object in a load template, which DCP loads into
+    in place; another key holding one of its tensors (an EMA's view of a weight) got a buffer
+    of its own, so the template loaded other values than DCP loads into the state dict
+    itself. It is refused, with the ValueError of tensors that share memory."""
+    model = torch.nn.Linear(2, 2)
+    stager = CheckpointStager()
+    with pytest.raises(ValueError, match="ema/w shares memory with model/weight"):
+        stager.load_template({"model": model, "ema": {"w": part(model.weight.detach())}})
+    template = stager.load_template({"model": model, "ema": {"w": model.weight.clone()}})
+    assert template["model"] is model
+    stager.close()
+
+
 def test_load_template_refuses_while_a_staging_is_not_complete_and_after_close():
     hold = threading.Event()
     stager = StandIn(async_staging=True, hold=hold)
