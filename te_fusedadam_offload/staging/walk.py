@@ -99,6 +99,7 @@ class Walk:
         self.sources = {}  # template: the layout of a tensor's memory: (path, its buffer)
         self.lying = []  # (start, end) of the CPU tensors copied or passed through
         self.statefuls = []  # template: (key, Stateful) of the top level, kept as they are
+        self.passed = []  # template: (device, start, end, path) of the private tensors passed
 
     @classmethod
     def apart(cls, stager, buffers, state_dict, mode="stage"):
@@ -167,18 +168,18 @@ class Walk:
         if isinstance(tensor, DTensor):
             local = tensor._local_tensor
             _check_type(local, path)
-            if self._passes(tensor, local):
+            if self._passes(tensor, local, path):
                 return tensor
             # As DTensor.to("cpu") makes it, the same spec (mesh, placements, shape, stride)
             # around a CPU local tensor. (DTensor.from_local() would move it to the mesh's
             # device.)
             return DTensor(self._copy(local, path), tensor._spec, requires_grad=False)
         _check_type(tensor, path)
-        if self._passes(tensor, tensor):
+        if self._passes(tensor, tensor, path):
             return tensor
         return self._copy(tensor, path)
 
-    def _passes(self, tensor, local):
+    def _passes(self, tensor, local, path):
         if local.device.type != "cpu":
             return False
         if local.untyped_storage().data_ptr() in self.own:
@@ -186,6 +187,9 @@ class Walk:
         if self.private is None or not self.private.passes(tensor):
             return False
         self._lies(local)
+        if self.mode == "template" and local.numel():
+            end = local.data_ptr() + span(local.dtype, local.shape, local.stride())
+            self.passed.append((str(local.device), local.data_ptr(), end, path))
         return True
 
     def _lies(self, tensor):
@@ -224,6 +228,13 @@ class Walk:
         """In a template: refuse two different views of overlapping memory (whatever their
         storages: two numpy views of one array), which DCP would load one over the other in
         part."""
+        for owner, path in _meeting(self._spans(), self.passed):
+            raise ValueError(
+                f"CheckpointStager.load_template(): {name(path)} shares memory with "
+                f"{name(owner)}, a private tensor that the template passes through (dcp.load "
+                f"loads into it in place), while {name(path)} would load into a buffer apart "
+                "from it; pass that tensor once (or load into the state dict itself)"
+            )
         for earlier, path in overlapping(self._spans()):
             raise ValueError(
                 f"CheckpointStager.load_template(): {name(path)} and {name(earlier)} "

@@ -1344,6 +1344,20 @@ def test_a_tensor_sharing_memory_with_a_stateful_in_a_load_template_is_refused(p
     stager.close()
 
 
+@pytest.mark.parametrize("part", [lambda t: t, lambda t: t[2:]], ids=["same", "part"])
+def test_a_tensor_sharing_memory_with_a_private_one_in_a_load_template_is_refused(part):
+    """A private tensor passes through a load template, which DCP loads into in place; another
+    key holding its memory got a buffer of its own, so the two loaded apart where DCP loads
+    both into that memory. It is refused, with the ValueError of tensors that share memory."""
+    stager = CheckpointStager()
+    y = torch.zeros(4)
+    with pytest.raises(ValueError, match="b shares memory with a, a private tensor"):
+        stager.load_template({"a": stager.private(y), "b": part(y)})
+    template = stager.load_template({"a": stager.private(y), "b": y.clone()})
+    assert template["a"] is y
+    stager.close()
+
+
 def test_load_template_refuses_while_a_staging_is_not_complete_and_after_close():
     hold = threading.Event()
     stager = StandIn(async_staging=True, hold=hold)
