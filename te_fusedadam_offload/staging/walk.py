@@ -188,15 +188,13 @@ class Walk:
             return False
         self._lies(local)
         if self.mode == "template" and local.numel():
-            end = local.data_ptr() + span(local.dtype, local.shape, local.stride())
-            self.passed.append((str(local.device), local.data_ptr(), end, path))
+            self.passed.append((str(local.device), *memory(local), path))
         return True
 
     def _lies(self, tensor):
         """Note the CPU memory of `tensor`, which no buffer of this walk may be."""
         if tensor.numel():
-            start = tensor.data_ptr()
-            self.lying.append((start, start + span(tensor.dtype, tensor.shape, tensor.stride())))
+            self.lying.append(memory(tensor))
 
     def _copy(self, tensor, path):
         device = self.stager._copy_device(tensor, path)
@@ -251,7 +249,7 @@ class Walk:
         if not self.statefuls:
             return
         theirs = [
-            (str(t.device), t.data_ptr(), t.data_ptr() + span(t.dtype, t.shape, t.stride()), p)
+            (str(t.device), *memory(t), p)
             for key, stateful in self.statefuls
             for p, t in _tensors(stateful.state_dict(), (key,))
         ]
@@ -327,6 +325,11 @@ def _layout(tensor):
     view (DCP reads each key through its own)."""
     view = tensor.dtype, tensor.shape, tensor.stride(), tensor.is_conj(), tensor.is_neg()
     return tensor.device, tensor.data_ptr(), *view
+
+
+def memory(tensor):
+    """(start, end) addresses of `tensor`'s bytes, from its first element to its last one."""
+    return tensor.data_ptr(), tensor.data_ptr() + span(tensor.dtype, tensor.shape, tensor.stride())
 
 
 def span(dtype, shape, stride):
