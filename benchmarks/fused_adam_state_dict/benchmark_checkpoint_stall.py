@@ -33,7 +33,9 @@ is waited for (not counted), so that each checkpoint starts alike. Variants:
                    --default-stager-options automodel: DefaultStager() as NeMo Automodel makes
                    it, torch's defaults StagingOptions() (pinned memory, shared memory,
                    asynchronous staging, non-blocking copies); unshared (the default, what this
-                   variant measured before the option): the same without shared memory
+                   variant measured before the option): the same without shared memory;
+                   unpinned: the same as automodel without pinned memory; plain: neither
+                   pinned nor shared memory
   default_stager_reused  the same with one DefaultStager for all the variant's checkpoints
                    (closed after the last), to see whether one can stage twice. torch 2.11's
                    cannot: DefaultStager._stage() closes its StateDictStager after each
@@ -578,8 +580,8 @@ def _staging_options(args):
     if args.default_stager_options == "automodel":
         return StagingOptions()  # torch's defaults, those of DefaultStager()
     return StagingOptions(
-        use_pinned_memory=True,
-        use_shared_memory=False,
+        use_pinned_memory=args.default_stager_options == "unshared",
+        use_shared_memory=args.default_stager_options == "unpinned",  # plain: neither
         use_async_staging=True,
         use_non_blocking_copy=True,
     )
@@ -763,9 +765,12 @@ def main():
     )
     parser.add_argument(
         "--default-stager-options",
-        choices=["automodel", "unshared"],
+        choices=["automodel", "unshared", "unpinned", "plain"],
         default="unshared",
-        help="default_stager variants: DefaultStager() (pinned, shared memory) or unshared",
+        help=(
+            "default_stager variants: DefaultStager() (pinned, shared memory), unshared or"
+            " unpinned (shared memory, not pinned) or plain (neither)"
+        ),
     )
     parser.add_argument(
         "--checkpointer",
