@@ -1329,6 +1329,59 @@ def test_a_live_tensor_in_another_keys_buffer_is_not_overwritten(then):
     stager.close()
 
 
+@pytest.mark.parametrize("then", ["stage", "load_template"])
+def test_a_model_loaded_with_assign_keeps_its_values_when_another_takes_its_key(tmp_path, then):
+    """A model loaded from a load template with assign=True holds the template's buffers as
+    its parameters. The next staging (or template) of another model under the same key reused
+    those buffers, which the state dict staged does not hold: it wrote the other model's values
+    into the first one, whose next checkpoint then saved them. Now a buffer that a tensor other
+    than the template's holds is not reused, and the template alone still is."""
+    torch.manual_seed(0)
+    teacher, student = torch.nn.Linear(4, 4), torch.nn.Linear(4, 4)
+    dcp.save({"model": teacher.state_dict()}, checkpoint_id=tmp_path / "teacher")
+    expected = _cpu_copies(teacher.state_dict())
+    stager = CheckpointStager()
+    template = stager.load_template({"model": teacher.state_dict()})
+    dcp.load(template, storage_reader=ParallelFileSystemReader(tmp_path / "teacher"))
+    teacher.load_state_dict(template["model"], assign=True)
+    lent = {t.data_ptr() for t in template["model"].values()}
+    assert {t.data_ptr() for t in teacher.state_dict().values()} == lent
+    del template
+    staged = getattr(stager, then)({"model": student.state_dict()})
+    _same(_cpu_copies(teacher.state_dict()), expected)  # the teacher as it was loaded
+    _same(_cpu_copies(staged["model"]), _cpu_copies(student.state_dict()))
+    assert not {t.data_ptr() for t in staged["model"].values()} & lent
+    del staged
+    dcp.async_save(
+        {"teacher": teacher.state_dict()}, checkpoint_id=tmp_path / "next", async_stager=stager
+    ).result()
+    _same(_raw(tmp_path / "next")["teacher"], expected)
+    stager.close()
+
+
+def test_a_load_templates_buffers_are_reused_by_the_next_staging_once_the_load_copied_them(
+    tmp_path,
+):
+    """The usual resume (the template loaded, set into the model by a copy, dropped or not):
+    the next staging reuses the template's buffers, however they were read."""
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 4)
+    dcp.save({"model": model.state_dict()}, checkpoint_id=tmp_path)
+    for reader in (FileSystemReader, ParallelFileSystemReader):
+        for keep in (False, True):
+            stager = CheckpointStager()
+            template = stager.load_template({"model": model.state_dict()})
+            dcp.load(template, storage_reader=reader(tmp_path))
+            model.load_state_dict(template["model"])
+            lent = sorted(t.data_ptr() for t in template["model"].values())
+            if not keep:
+                del template
+            staged = stager.stage({"model": model.state_dict()})
+            assert sorted(t.data_ptr() for t in staged["model"].values()) == lent, (reader, keep)
+            del staged
+            stager.close()
+
+
 @pytest.mark.parametrize("part", [lambda w: w, lambda w: w[1]], ids=["same", "part"])
 def test_a_tensor_sharing_memory_with_a_stateful_in_a_load_template_is_refused(part):
     """A top-level Stateful stays the caller's object in a load template, which DCP loads into
