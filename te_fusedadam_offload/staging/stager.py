@@ -25,7 +25,7 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimi
 from torch.distributed.tensor import DTensor
 
 from .buffers import BufferCache, refuse_checkpoint_process
-from .walk import Private, Specs, Walk, name
+from .walk import Private, Specs, Walk, _meeting, name
 
 __all__ = ["PinnedStager", "empty_host_cache"]
 
@@ -303,17 +303,14 @@ class PinnedStager(AsyncStager):
         state_dict = get_optimizer_state_dict(
             model, optimizer, options=options or StateDictOptions()
         )
-        live = _storages(_leaves(list(optimizer.state.values())))  # nested ones too
+        live = _spans(_leaves(list(optimizer.state.values())))  # nested ones too
         for group in optimizer.param_groups:  # Adam's betas=(tensor, tensor): in a tuple
-            live.update(_storages(_leaves({k: v for k, v in group.items() if k != "params"})))
-        live.update(_storages(model.parameters()))
-        live.update(_storages(model.buffers()))
-        private = {
-            id(t)
-            for t in _leaves(state_dict)
-            if (storage := _storage(t)) is not None and storage not in live
-        }
-        return Private(state_dict, private)
+            live += _spans(_leaves({k: v for k, v in group.items() if k != "params"}))
+        live += _spans(model.parameters())
+        live += _spans(model.buffers())
+        exported = _spans(_leaves(state_dict))
+        shared = {key for _, key in _meeting(exported, live)}
+        return Private(state_dict, {key for *_, key in exported} - shared)
 
     # Lifecycle.
 
@@ -401,21 +398,23 @@ def _fail_stagings_at_exit():
 threading._register_atexit(_fail_stagings_at_exit)  # pylint: disable=protected-access
 
 
-def _storage(tensor):
-    """The address of `tensor`'s memory (its local tensor's for a DTensor), None if empty."""
-    if isinstance(tensor, DTensor):
-        tensor = tensor._local_tensor
-    if not isinstance(tensor, torch.Tensor):
-        return None
-    try:
-        address = tensor.untyped_storage().data_ptr()
-    except (RuntimeError, NotImplementedError, TypeError):  # a subclass without storage
-        return None  # (as a leaf of the export: copied, or refused)
-    return (tensor.device, address) if address else None
-
-
-def _storages(values):
-    return {s for s in map(_storage, values) if s is not None}
+def _spans(tensors):
+    """(device, start, end, id) of the memory of the storage of each of `tensors` (a DTensor's
+    local tensor's) that has one: all that a tensor of it may reach, whatever storage another
+    tensor reaches that memory by (torch.frombuffer of a part of it)."""
+    spans = []
+    for tensor in tensors:
+        local = tensor._local_tensor if isinstance(tensor, DTensor) else tensor
+        if not isinstance(local, torch.Tensor):
+            continue
+        try:
+            storage = local.untyped_storage()
+        except (RuntimeError, NotImplementedError, TypeError):  # a subclass without storage
+            continue  # (as a leaf of the export: copied, or refused)
+        if storage.data_ptr():
+            start = storage.data_ptr()
+            spans.append((str(local.device), start, start + storage.nbytes(), id(tensor)))
+    return spans
 
 
 def _leaves(value):

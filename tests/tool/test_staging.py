@@ -5,6 +5,7 @@ copies CUDA tensors into pinned ones."""
 
 import collections
 import copy
+import ctypes
 import dataclasses
 import gc
 import io
@@ -555,6 +556,40 @@ def test_optimizer_export_passes_through_only_what_shares_no_memory():
         made = export.value["state"]["weight"][key]
         assert (value is made) == (key != "master_param"), key
         assert torch.equal(value, adam.state[model.weight][key].float()), key
+    stager.close()
+
+
+def test_optimizer_export_copies_a_tensor_that_reaches_the_optimizers_memory_by_another_storage():
+    """A CPU tensor of the export that reaches a live state's memory through a storage of its
+    own (``torch.frombuffer`` of the memory of its last rows) starts at another address than
+    the state's storage: told by the storage's address alone, it was passed through, and the
+    upload would read it while the next step changes it. Now any overlap of memory copies it."""
+
+    class Aliasing(torch.optim.SGD):
+        """An optimizer whose export gives its live momentum's last rows by another storage."""
+
+        def state_dict(self):
+            state_dict = super().state_dict()  # its states' dicts are the live ones: copied
+            state_dict["state"] = {k: dict(v) for k, v in state_dict["state"].items()}
+            for state in state_dict["state"].values():
+                live = state["momentum_buffer"]
+                rows = (ctypes.c_float * live[1:].numel()).from_address(live[1:].data_ptr())
+                state["momentum_buffer"] = torch.frombuffer(rows, dtype=torch.float32).view(3, 4)
+            return state_dict
+
+    model = torch.nn.Linear(4, 4, bias=False)
+    optimizer = Aliasing(model.parameters(), lr=0.1, momentum=0.9)
+    model(torch.ones(2, 4)).sum().backward()
+    optimizer.step()
+    stager = CheckpointStager()
+    export = stager.optimizer_export(model, optimizer)
+    exported = export.value["state"]["weight"]["momentum_buffer"]
+    live = optimizer.state[model.weight]["momentum_buffer"]
+    assert exported.untyped_storage().data_ptr() != live.untyped_storage().data_ptr()
+    staged = stager.stage({"optim": export})["optim"]["state"]["weight"]["momentum_buffer"]
+    assert staged is not exported and torch.equal(staged, live[1:])
+    live.add_(1.0)  # the next step
+    assert not torch.equal(staged, live[1:])
     stager.close()
 
 
