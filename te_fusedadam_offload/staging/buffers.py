@@ -26,27 +26,26 @@ class BufferCache:
         self.pin_memory = pin_memory
         # path -> (buffer, weak reference to the view of it that the last staging returned)
         self._entries = {}
-        # path -> weak reference to the view of its buffer that the last load template holds
-        self._lent = {}
+        self._lent = set()  # paths whose buffers a load template was given last
         self._preparing = None  # the future of the last prepare()
 
     def view(self, path, shape, dtype, *, track=True, fresh=False):
         """A view of the buffer of `path` for this staging, and whether the last buffer was
-        still held (an upload not done), so that this one is new. With track=False (a load
-        template's view), the next staging reuses the buffer even while that view is alive,
-        but not while another tensor holds its memory (:func:`_taken`). With fresh=True, the
+        still held (an upload not done), so that this one is new. With track=False, the view
+        is a load template's: the next staging (or template) reuses that buffer only once no
+        tensor holds its memory but the cache's own (:func:`_taken`). With fresh=True, the
         buffer is new (a live tensor lies in the kept one: :meth:`lying_in`)."""
         buffer, last = self._entries.get(path, (None, None))
         held = last is not None and last() is not None
-        taken = path in self._lent and _taken(buffer, self._lent[path])
+        taken = path in self._lent and _taken(buffer)
         if held or fresh or taken or not _fits(buffer, shape, dtype):
             buffer = torch.empty(shape, dtype=dtype, pin_memory=self.pin_memory)
         view = buffer.view(buffer.shape)
         self._entries[path] = (buffer, weakref.ref(view) if track else None)
         if track:
-            self._lent.pop(path, None)
+            self._lent.discard(path)
         else:
-            self._lent[path] = weakref.ref(view)
+            self._lent.add(path)
         return view, held
 
     def prepare(self, specs, stop):
@@ -119,7 +118,7 @@ class BufferCache:
 
     def entries(self):
         """The buffers kept, for :meth:`restore`."""
-        return dict(self._entries), dict(self._lent)
+        return dict(self._entries), set(self._lent)
 
     def restore(self, entries):
         """Keep `entries` (of :meth:`entries`) again: a walk made again makes its own."""
@@ -129,7 +128,7 @@ class BufferCache:
         """Free the buffers of the paths that the last staging did not have."""
         paths = set(paths)
         self._entries = {p: entry for p, entry in self._entries.items() if p in paths}
-        self._lent = {p: lent for p, lent in self._lent.items() if p in paths}
+        self._lent &= paths
 
     def wait_released(self, timeout_s):
         """Give an upload that has just completed up to `timeout_s` to drop its state dict:
@@ -163,17 +162,17 @@ def _fits(buffer, shape, dtype):
     return buffer is not None and buffer.shape == shape and buffer.dtype == dtype
 
 
-def _taken(buffer, lent):
-    """Whether a tensor other than `buffer` and `lent` (the weak reference to the view of it
-    that a load template holds) holds its memory: a parameter that ``load_state_dict(...,
-    assign=True)`` made of the template's tensor, which a copy into the buffer would change
-    wherever it is (the state dict staged may not have it). Told by the count of references
-    to its storage: the buffer's, its Python object's and the template view's if alive."""
+def _taken(buffer):
+    """Whether a tensor other than `buffer` holds its memory: the load template's tensor, or
+    what a load made of it (a module's buffer or parameter with ``load_state_dict(...,
+    assign=True)``, an optimizer's CPU state, which ``load_state_dict`` keeps as it is), which
+    a copy into the buffer would change wherever it is (the state dict staged may not have
+    it). Told by the count of references to its storage: the buffer's and, while this runs,
+    its Python object's."""
     if buffer is None:
         return False
-    ours = 2 + (lent() is not None)
     # pylint: disable-next=protected-access
-    return torch._C._storage_Use_Count(buffer.untyped_storage()._cdata) > ours
+    return torch._C._storage_Use_Count(buffer.untyped_storage()._cdata) > 2
 
 
 PROCESS_REFUSED = (

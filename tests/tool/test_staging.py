@@ -42,6 +42,7 @@ from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_optimizer_state_dict,
     get_state_dict,
+    set_optimizer_state_dict,
     set_state_dict,
 )
 
@@ -1123,8 +1124,9 @@ def test_a_value_that_stage_refuses_raises_at_prepare_and_starts_no_thread(odd, 
 
 def test_load_template_gives_the_buffers_filled_and_the_next_staging_reuses_them():
     """The template holds the stager's buffers (those of the last staging) in place of the
-    tensors, filled from the state dict, the other values copied; they are not tracked: the
-    next staging takes them while the template is alive (and overwrites it)."""
+    tensors, filled from the state dict, the other values copied. The next staging takes them
+    once the template is dropped; while it (or a tensor of it) is alive, it keeps them, and
+    the staging makes new ones (it overwrote the template before)."""
     weight = _model(64)
     stager = StandIn()
     state = {"model": {"w": weight, "b": torch.ones(3)}, "epoch": 3}
@@ -1132,13 +1134,20 @@ def test_load_template_gives_the_buffers_filled_and_the_next_staging_reuses_them
     weight.add_(1)
     template = stager.load_template(state)
     assert torch.equal(template["model"]["w"], weight) and template["epoch"] == 3
+    loaded = template["model"]["w"].clone()
     weight.add_(1)
     pointers = stager._buffers.pointers()
     assert sorted(t.data_ptr() for t in template["model"].values()) == pointers
     staged = stager.stage(state)
-    assert staged["model"]["w"].data_ptr() == template["model"]["w"].data_ptr()
+    assert staged["model"]["w"].data_ptr() != template["model"]["w"].data_ptr()
+    assert torch.equal(template["model"]["w"], loaded) and torch.equal(staged["model"]["w"], weight)
+    assert stager.overlapping_stagings == 0
+    template = stager.load_template(state)
+    pointers = stager._buffers.pointers()
+    del template, staged
+    staged = stager.stage(state)
     assert stager._buffers.pointers() == pointers and stager.overlapping_stagings == 0
-    assert torch.equal(template["model"]["w"], weight)
+    assert torch.equal(staged["model"]["w"], weight)
     stager.close()
 
 
@@ -1367,12 +1376,18 @@ def test_a_live_tensor_in_another_keys_buffer_is_not_overwritten(then):
 @pytest.mark.parametrize("then", ["stage", "load_template"])
 def test_a_model_loaded_with_assign_keeps_its_values_when_another_takes_its_key(tmp_path, then):
     """A model loaded from a load template with assign=True holds the template's buffers as
-    its parameters. The next staging (or template) of another model under the same key reused
-    those buffers, which the state dict staged does not hold: it wrote the other model's values
-    into the first one, whose next checkpoint then saved them. Now a buffer that a tensor other
-    than the template's holds is not reused, and the template alone still is."""
+    its parameters and, as the template's very tensors, its buffers (BatchNorm's statistics).
+    The next staging (or template) of another model under the same key reused those buffers,
+    which the state dict staged does not hold: it wrote the other model's values into the
+    first one, whose next checkpoint then saved them. Now a template's buffer that any tensor
+    still holds is not reused."""
     torch.manual_seed(0)
-    teacher, student = torch.nn.Linear(4, 4), torch.nn.Linear(4, 4)
+    teacher, student = (
+        torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.BatchNorm1d(4)) for _ in "ts"
+    )
+    with torch.no_grad():
+        for i, buffer in enumerate((*teacher.buffers(), *student.buffers())):
+            buffer.fill_(i + 1)  # the running statistics: the template's own tensors with assign
     dcp.save({"model": teacher.state_dict()}, checkpoint_id=tmp_path / "teacher")
     expected = _cpu_copies(teacher.state_dict())
     stager = CheckpointStager()
@@ -1394,11 +1409,50 @@ def test_a_model_loaded_with_assign_keeps_its_values_when_another_takes_its_key(
     stager.close()
 
 
+def test_an_optimizer_restored_from_a_load_template_keeps_its_states_through_the_next_template(
+    tmp_path,
+):
+    """set_optimizer_state_dict keeps a CPU optimizer's states as the template's very tensors
+    (the same dtype and device: no copy). A second template of the same stager (another
+    optimizer with the same keys) reused those buffers and wrote its values into the first
+    optimizer's states. Now it takes new ones."""
+
+    def trained(seed):
+        torch.manual_seed(seed)
+        model = torch.nn.Linear(4, 4)
+        optimizer = torch.optim.Adam(model.parameters())
+        model(torch.randn(2, 4)).sum().backward()
+        optimizer.step()
+        return model, optimizer
+
+    checkpoints = []
+    for seed in (1, 2):
+        model, optimizer = trained(seed)
+        checkpoints.append((tmp_path / str(seed), optimizer.state[model.weight]["exp_avg"].clone()))
+        dcp.save(
+            {"optim": get_optimizer_state_dict(model, optimizer)}, checkpoint_id=checkpoints[-1][0]
+        )
+    stager = CheckpointStager()
+    restored = []
+    for (path, _), seed in zip(checkpoints, (3, 4)):
+        model, optimizer = trained(seed)
+        template = stager.load_template({"optim": get_optimizer_state_dict(model, optimizer)})
+        dcp.load(template, storage_reader=ParallelFileSystemReader(path))
+        set_optimizer_state_dict(model, optimizer, template["optim"])
+        del template
+        restored.append((model, optimizer))
+    for (model, optimizer), (_, exp_avg) in zip(restored, checkpoints):
+        assert torch.equal(optimizer.state[model.weight]["exp_avg"], exp_avg)
+    stager.close()
+
+
 def test_a_load_templates_buffers_are_reused_by_the_next_staging_once_the_load_copied_them(
     tmp_path,
 ):
-    """The usual resume (the template loaded, set into the model by a copy, dropped or not):
-    the next staging reuses the template's buffers, however they were read."""
+    """The usual resume (the template loaded, set into the model and a CUDA-less optimizer by
+    copies, then dropped): the next staging reuses the template's buffers, however they were
+    read; while the template is kept, the staging makes new ones and the template keeps its
+    values."""
     torch.manual_seed(0)
     model = torch.nn.Linear(4, 4)
     dcp.save({"model": model.state_dict()}, checkpoint_id=tmp_path)
@@ -1409,10 +1463,14 @@ def test_a_load_templates_buffers_are_reused_by_the_next_staging_once_the_load_c
             dcp.load(template, storage_reader=reader(tmp_path))
             model.load_state_dict(template["model"])
             lent = sorted(t.data_ptr() for t in template["model"].values())
+            loaded = _cpu_copies(template["model"])
             if not keep:
                 del template
             staged = stager.stage({"model": model.state_dict()})
-            assert sorted(t.data_ptr() for t in staged["model"].values()) == lent, (reader, keep)
+            reused = sorted(t.data_ptr() for t in staged["model"].values()) == lent
+            assert reused != keep, (reader, keep)
+            if keep:
+                _same(_cpu_copies(template["model"]), loaded)
             del staged
             stager.close()
 
@@ -1512,6 +1570,7 @@ def test_a_snapshot_in_a_load_template_makes_the_optimizers_states_as_dcp_does()
         assert value.dtype == torch.float32 and value.shape == _flat(export["state"])[key].shape
     pointers = stager._buffers.pointers()
     assert sorted(t.data_ptr() for t in states.values()) == pointers
+    del template, optim, states, value  # dropped: the next staging may take the buffers
     staged = stager.stage({"optim": stager.optimizer_snapshot(model, optimizer)})
     assert stager._buffers.pointers() == pointers
     _same_export(staged["optim"], get_optimizer_state_dict(model, optimizer))
