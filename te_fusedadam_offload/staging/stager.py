@@ -298,8 +298,9 @@ class PinnedStager(AsyncStager):
         copies of an export, such as ``FusedAdam(state_dict_cpu_offload=True)``'s states),
         and the others (a CPU ``step`` or ``lr`` that the optimizer or a scheduler updates
         in place) copied. The export's tensors are told by memory only: an optimizer whose
-        ``state_dict()`` returns CPU tensors that it keeps apart from its states and writes
-        again at its next export (neither PyTorch's nor TE's do) must be staged as it is."""
+        ``state_dict()`` (or a hook of it) returns CPU tensors that it keeps apart from its
+        states and param groups and changes later (neither PyTorch's nor TE's do) must be
+        staged as it is."""
         state_dict = get_optimizer_state_dict(
             model, optimizer, options=options or StateDictOptions()
         )
