@@ -9,10 +9,11 @@ import inspect
 import threading
 import time
 import weakref
-from bisect import bisect_right
 from concurrent.futures import Future, wait
 
 import torch
+
+from .walk import meeting
 
 __all__ = ["BufferCache", "refuse_checkpoint_process"]
 
@@ -98,23 +99,14 @@ class BufferCache:
     def lying_in(self, spans, paths):
         """The paths of `paths` whose kept buffers hold a byte of the `spans` ((start, end) of
         CPU memory: the tensors that a staging copies or passes through, which a load with
-        assign=True may have left in the buffers of any path): the buffers, disjoint, sorted
-        by address, and each span's first one found by bisection."""
+        assign=True may have left in the buffers of any path)."""
         paths = set(paths)
-        kept = sorted(
-            (buffer.data_ptr(), buffer.data_ptr() + buffer.nbytes, path)
+        kept = [
+            ("cpu", buffer.data_ptr(), buffer.data_ptr() + buffer.nbytes, path)
             for path, (buffer, _) in self._entries.items()
             if path in paths and buffer.nbytes
-        )
-        starts = [start for start, _, _ in kept]
-        found = set()
-        for start, end in spans:
-            i = max(bisect_right(starts, start) - 1, 0)
-            while i < len(kept) and kept[i][0] < end:
-                if kept[i][1] > start:
-                    found.add(kept[i][2])
-                i += 1
-        return found
+        ]
+        return {path for _, path in meeting(kept, [("cpu", *span, None) for span in spans])}
 
     def entries(self):
         """The buffers kept, for :meth:`restore`."""

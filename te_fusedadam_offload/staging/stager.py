@@ -25,7 +25,7 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimi
 from torch.distributed.tensor import DTensor
 
 from .buffers import BufferCache, refuse_checkpoint_process
-from .walk import Private, Specs, Walk, _meeting, name
+from .walk import Private, Specs, Walk, meeting, name
 
 __all__ = ["PinnedStager", "empty_host_cache"]
 
@@ -304,13 +304,13 @@ class PinnedStager(AsyncStager):
         state_dict = get_optimizer_state_dict(
             model, optimizer, options=options or StateDictOptions()
         )
-        live = _spans(_leaves(list(optimizer.state.values())))  # nested ones too
+        live = _storage_spans(_leaves(list(optimizer.state.values())))  # nested ones too
         for group in optimizer.param_groups:  # Adam's betas=(tensor, tensor): in a tuple
-            live += _spans(_leaves({k: v for k, v in group.items() if k != "params"}))
-        live += _spans(model.parameters())
-        live += _spans(model.buffers())
-        exported = _spans(_leaves(state_dict))
-        shared = {key for _, key in _meeting(exported, live)}
+            live += _storage_spans(_leaves({k: v for k, v in group.items() if k != "params"}))
+        live += _storage_spans(model.parameters())
+        live += _storage_spans(model.buffers())
+        exported = _storage_spans(_leaves(state_dict))
+        shared = {key for _, key in meeting(exported, live)}
         return Private(state_dict, {key for *_, key in exported} - shared)
 
     # Lifecycle.
@@ -399,7 +399,7 @@ def _fail_stagings_at_exit():
 threading._register_atexit(_fail_stagings_at_exit)  # pylint: disable=protected-access
 
 
-def _spans(tensors):
+def _storage_spans(tensors):
     """(device, start, end, id) of the memory of the storage of each of `tensors` (a DTensor's
     local tensor's) that has one: all that a tensor of it may reach, whatever storage another
     tensor reaches that memory by (torch.frombuffer of a part of it)."""

@@ -226,7 +226,7 @@ class Walk:
         """In a template: refuse two different views of overlapping memory (whatever their
         storages: two numpy views of one array), which DCP would load one over the other in
         part."""
-        for owner, path in _meeting(self._spans(), self.passed):
+        for owner, path in meeting(self._spans(), self.passed):
             raise ValueError(
                 f"CheckpointStager.load_template(): {name(path)} shares memory with "
                 f"{name(owner)}, a private tensor that the template passes through (dcp.load "
@@ -253,7 +253,7 @@ class Walk:
             for key, stateful in self.statefuls
             for p, t in _tensors(stateful.state_dict(), (key,))
         ]
-        for owner, path in _meeting(self._spans(), theirs):
+        for owner, path in meeting(self._spans(), theirs):
             raise ValueError(
                 f"CheckpointStager.load_template(): {name(path)} shares memory with "
                 f"{name(owner)}, a tensor of the Stateful {owner[0]!r}, which the template keeps "
@@ -349,7 +349,7 @@ def overlapping(spans):
             furthest = (device, start, end, key)
 
 
-def _meeting(spans, others):
+def meeting(spans, others):
     """Pairs (key of one of `others`, key) of the `spans` that overlap one of `others`, all
     (device, start, end, key): `others` sorted by address, with the one reaching furthest up
     to each, and each span's last one starting before its end found by bisection."""
