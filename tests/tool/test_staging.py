@@ -1475,6 +1475,21 @@ def test_a_load_templates_buffers_are_reused_by_the_next_staging_once_the_load_c
             stager.close()
 
 
+def test_a_view_kept_of_a_staged_tensor_is_not_overwritten_by_the_next_staging():
+    """A view kept of a staged tensor (not the staged tensor itself, which the stager tracks)
+    lies in that path's kept buffer: staged again under another key, beside a new value of the
+    first, it was overwritten by that value before its own copy. Now a buffer that a tensor
+    copied or passed through lies in is not reused (:meth:`BufferCache.lying_in`)."""
+    stager = CheckpointStager()
+    staged = stager.stage({"a": torch.arange(8.0)})
+    kept = staged["a"][:4]  # a view of the buffer of "a"
+    del staged
+    again = stager.stage({"a": torch.full((8,), -1.0), "b": kept})
+    assert torch.equal(kept, torch.arange(4.0)) and torch.equal(again["b"], torch.arange(4.0))
+    assert torch.equal(again["a"], torch.full((8,), -1.0))
+    stager.close()
+
+
 @pytest.mark.parametrize("part", [lambda w: w, lambda w: w[1]], ids=["same", "part"])
 def test_a_tensor_sharing_memory_with_a_stateful_in_a_load_template_is_refused(part):
     """A top-level Stateful stays the caller's object in a load template, which DCP loads into
