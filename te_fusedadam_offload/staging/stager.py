@@ -225,16 +225,16 @@ class PinnedStager(AsyncStager):
 
     def load_template(self, state_dict):
         """`state_dict` (as for ``dcp.async_save``) with each tensor that the stager would copy
-        replaced by its buffer, filled with that tensor's value (as ``stage()`` fills it):
-        the template for ``dcp.load``, with no second copy in host memory, and then the
-        buffers the next checkpoint reuses once the template is dropped (while it, or a tensor
-        that a load kept of it, is alive, the next checkpoint takes new ones). A tensor that the load does not fill (``allow_partial_load``) keeps the
-        state dict's value. An :meth:`optimizer_snapshot` in it gives the optimizer state dict
-        as ``get_optimizer_state_dict`` does, its states in FP32 (int16) buffers; an
-        optimizer without states gets them as that function makes them (a step with zero
-        gradients and learning rates). A ``Stateful`` at its top level (the DCP tutorial's
-        ``AppState``, a module) is the caller's object itself in the template: ``dcp.load``
-        loads into its ``state_dict()`` and restores it in place, as without a template."""
+        replaced by its buffer, filled with that tensor's value (as ``stage()`` fills it): the
+        template for ``dcp.load``, with no second copy in host memory, and then the buffers the next
+        checkpoint reuses once the template is dropped (while it, or a tensor that a load kept of
+        it, is alive, the next checkpoint takes new ones). A tensor that the load does not fill
+        (``allow_partial_load``) keeps the state dict's value. An :meth:`optimizer_snapshot` in it
+        gives the optimizer state dict as ``get_optimizer_state_dict`` does, its states in FP32
+        (int16) buffers; an optimizer without states gets them as that function makes them (a step
+        with zero gradients and learning rates). A ``Stateful`` at its top level (the DCP tutorial's
+        ``AppState``, a module) is the caller's object itself in the template: ``dcp.load`` loads
+        into its ``state_dict()`` and restores it in place, as without a template."""
         with self._call("load_template"):
             self._buffers.wait_prepared()
             self._refuse_pending("load_template() called while a staging is not complete")
