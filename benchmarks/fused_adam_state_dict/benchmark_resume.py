@@ -19,7 +19,9 @@ resumes it per variant into a new model and optimizer (no step: the template mak
   parallel  template: CheckpointStager(async_staging=True).load_template() of the model state
             dict and an optimizer_snapshot() (its pinned buffers); dcp.load with
             ParallelFileSystemReader(thread_count=--threads); the same setters; then the
-            template dropped and the stager closed
+            template dropped, the next checkpoint's staging by the same stager timed
+            (next_stage_s, until its copies are done; next_reused: into the template's buffers,
+            none made anew), and the stager closed
 
 Warm: the checkpoint as just written, in the page cache. --cold adds the resumes cold, every
 file of the checkpoint fsync'ed and evicted (posix_fadvise DONTNEED) before each (cached_fraction:
@@ -36,7 +38,7 @@ peak during the resume, VmHWM reset through /proc/self/clear_refs, above its res
 before: pinned pages included, the page cache not), gpu_peak_gib (above allocated before),
 bitwise (the optimizer states as the export gives them and the local parameter shards equal to
 the saved ones on every rank), fast_items and other_items (parallel: items read straight into
-the template, and the others), disk_GBps and cached_fraction (cold rows), alloc_conf (PYTORCH_CUDA_ALLOC_CONF), the versions.
+the template, and the others), next_stage_s and next_reused (parallel: above), disk_GBps and cached_fraction (cold rows), alloc_conf (PYTORCH_CUDA_ALLOC_CONF), the versions.
 """
 
 import argparse
@@ -226,6 +228,17 @@ def resume(args, row, path, saved):
     row["gpu_peak_gib"] = round(_max_over_ranks(gpu_peak) / GiB, 3)
     del template
     if stager is not None:
+        # The next checkpoint's staging into the template's buffers, the template dropped.
+        pointers = stager._buffers.pointers()  # pylint: disable=protected-access
+        with _phase(row, "next_stage_s"):
+            state = {
+                "model": get_model_state_dict(model),
+                "optim": stager.optimizer_snapshot(model, optimizer),
+            }
+            stager.stage(state).result()
+            stager.synchronize_staging()
+        del state
+        row["next_reused"] = stager._buffers.pointers() == pointers  # pylint: disable=W0212
         stager.close()
     states = _equal_on_all_ranks(saved[0], _local_states(optimizer))
     row["bitwise"] = _equal_on_all_ranks(saved[1], _params(model)) and states
