@@ -23,7 +23,7 @@ pt pr3 /tmp/site-pr3 $T/pr3/tests/pytorch/test_fused_optimizer.py -k "TestFusedA
 pt nobranch /tmp/site-nobranch $T/pr3/tests/pytorch/test_fused_optimizer.py -k set_bf16 &
 pt fp16 /tmp/site-fp16 $T/pr3/tests/pytorch/test_fused_optimizer.py -k set_bf16 &
 wait
-grep -hE "^(PASSED|FAILED).*set_bf16" /tmp/logs/*.log | sed 's|^\(PASSED\|FAILED\) .*::|\1 |' | sort | uniq -c | tee -a $L/summary.txt
+for f in stack pr3 nobranch fp16; do grep -E "^(PASSED|FAILED).*set_bf16" /tmp/logs/$f.log | sed "s|::| |; s|^\([A-Z]*\) .* |$f \1 |"; done | tee -a $L/summary.txt
 grep -hE "^(FAILED|ERROR)" /tmp/logs/stack.log /tmp/logs/pr3.log | head
 grep -h "AssertionError\|assert " /tmp/logs/nobranch.log /tmp/logs/fp16.log | head -6
 timeout 60 python3 $D/direct_copy.py > $L/direct_copy.jsonl 2>/tmp/logs/direct.err; t "direct_copy rc=$?"; cat $L/direct_copy.jsonl
