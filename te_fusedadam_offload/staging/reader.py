@@ -31,7 +31,7 @@ from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.planner import LoadItemType
 from torch.futures import Future
 
-from .walk import overlapping, span
+from .walk import memory, overlapping, span
 
 __all__ = ["ParallelFileSystemReader"]
 
@@ -187,11 +187,7 @@ _HOOKS = ("resolve_tensor", "lookup_tensor", "transform_tensor", "commit_tensor"
 
 def _sharing(targets):
     """The items of `targets` (item: tensor) whose tensors share memory with another's."""
-    spans = (
-        (str(t.device), t.data_ptr(), t.data_ptr() + _span(t), item)
-        for item, t in targets.items()
-        if t.numel()
-    )
+    spans = ((str(t.device), *memory(t), item) for item, t in targets.items() if t.numel())
     return {item for pair in overlapping(spans) for item in pair}
 
 
