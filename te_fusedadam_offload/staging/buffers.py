@@ -9,7 +9,7 @@ import inspect
 import threading
 import time
 import weakref
-from concurrent.futures import Future, wait
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 
 import torch
 
@@ -82,19 +82,37 @@ class BufferCache:
         if self._preparing is not None:
             wait([self._preparing])
 
-    def allocate(self, specs, stop):
-        """Make the buffers of `specs` ([(path, shape, dtype)]) that the cache lacks, one at a
-        time until stop() is true; they join the cache together at the end (another thread
-        may read it meanwhile). Returns the bytes made."""
-        made = {}
+    def allocate(self, specs, stop, *, threads=1):
+        """Make the buffers of `specs` ([(path, shape, dtype)]) that the cache lacks, by
+        `threads` threads, each buffer unless stop() is true; they join the cache together at
+        the end (another thread may read it meanwhile), none if stop() was. Returns the bytes
+        made."""
+        missing = {}
         for path, shape, dtype in specs:
-            if stop():
-                return 0
             buffer, _ = self._entries.get(path, (None, None))
             if not _fits(buffer, shape, dtype):
-                made[path] = (torch.empty(shape, dtype=dtype, pin_memory=self.pin_memory), None)
-        self._entries.update(made)
-        return sum(b.numel() * b.element_size() for b, _ in made.values())
+                missing[path] = (shape, dtype)
+
+        def make(spec):
+            if stop():
+                return None
+            return torch.empty(spec[0], dtype=spec[1], pin_memory=self.pin_memory)
+
+        if threads > 1 and len(missing) > 1:
+            with ThreadPoolExecutor(
+                min(threads, len(missing)), "CheckpointStager.allocate"
+            ) as pool:
+                made = list(pool.map(make, missing.values()))
+        else:
+            made = []
+            for spec in missing.values():
+                made.append(make(spec))
+                if made[-1] is None:
+                    break
+        if any(b is None for b in made):
+            return 0
+        self._entries.update((path, (b, None)) for path, b in zip(missing, made))
+        return sum(b.numel() * b.element_size() for b in made)
 
     def lying_in(self, spans, paths):
         """The paths of `paths` whose kept buffers hold a byte of the `spans` ((start, end) of

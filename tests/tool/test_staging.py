@@ -1151,6 +1151,68 @@ def test_load_template_gives_the_buffers_filled_and_the_next_staging_reuses_them
     stager.close()
 
 
+class _MeetingTorch:
+    """The buffers module's torch, whose empty() waits until `meet` calls are under way at
+    once (a barrier: it raises where they come one after the other), or raises `fail` at its
+    `fail_at`-th call; `made` holds what it made, with the name of the thread that made it."""
+
+    def __init__(self, meet, fail_at=None):
+        self.barrier, self.fail_at, self.made = threading.Barrier(meet, timeout=5), fail_at, []
+        self.calls = 0
+        self.lock = threading.Lock()
+
+    def __getattr__(self, name):
+        return getattr(torch, name)
+
+    def empty(self, *args, **kwargs):
+        with self.lock:
+            self.calls += 1
+            call = self.calls
+        if call == self.fail_at:
+            raise RuntimeError("pinned memory exhausted (injected)")
+        if call <= self.barrier.parties:
+            self.barrier.wait()
+        tensor = torch.empty(*args, **kwargs)
+        with self.lock:
+            self.made.append((tensor, threading.current_thread().name))
+        return tensor
+
+
+def test_load_template_makes_the_buffers_it_lacks_at_once_by_several_threads(monkeypatch):
+    """The buffers of a template that the stager lacks are made before its walk by its
+    allocation threads, several at once (the first four allocations wait for each other),
+    and the template holds those buffers: the walk makes none."""
+    meeting = _MeetingTorch(meet=4)
+    monkeypatch.setattr(buffers_module, "torch", meeting)
+    stager = StandIn()
+    state = {"model": {f"w{i}": _model(64) for i in range(6)}, "b": torch.ones(3), "epoch": 3}
+    template = stager.load_template(state)
+    assert len(meeting.made) == 7
+    assert {n.startswith("CheckpointStager.allocate") for _, n in meeting.made} == {True}
+    made = sorted(t.data_ptr() for t, _ in meeting.made)
+    leaves = [*template["model"].values(), template["b"]]
+    assert sorted(t.data_ptr() for t in leaves) == made == stager._buffers.pointers()
+    assert all(torch.equal(template["model"][k], v) for k, v in state["model"].items())
+    assert torch.equal(template["b"], state["b"]) and template["epoch"] == 3
+    stager.close()
+
+
+def test_a_failed_allocation_of_a_load_template_raises_and_keeps_no_buffer(monkeypatch):
+    """One allocation of a template's buffers fails (pinned memory exhausted): load_template()
+    raises that error, the stager keeps none of the buffers made beside it, and the next
+    load_template() gives the whole template."""
+    monkeypatch.setattr(buffers_module, "torch", _MeetingTorch(meet=1, fail_at=3))
+    stager = StandIn()
+    state = {"model": {f"w{i}": _model(64) for i in range(6)}}
+    with pytest.raises(RuntimeError, match="pinned memory exhausted"):
+        stager.load_template(state)
+    assert stager.cached_bytes() == 0
+    template = stager.load_template(state)
+    assert all(torch.equal(template["model"][k], v) for k, v in state["model"].items())
+    assert stager.cached_bytes() == 6 * 4 * 64
+    stager.close()
+
+
 @pytest.mark.parametrize("stager_was", ["fresh", "reused"])
 @pytest.mark.parametrize("reader", [FileSystemReader, ParallelFileSystemReader])
 def test_a_partial_load_into_a_load_template_keeps_the_state_dicts_value_of_a_missing_key(
