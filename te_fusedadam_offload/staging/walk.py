@@ -149,7 +149,13 @@ class Walk:
         if isinstance(value, torch.Tensor):
             return self.tensor(value, path)
         if isinstance(value, dict):
-            return {k: self.value(v, (*path, k)) for k, v in value.items()}
+            # Of its type, with its attributes, as the caller's own dict (DCP's template) has
+            # them: a module's state dict is an OrderedDict whose _metadata (the modules'
+            # versions) load_state_dict() reads, converting a state dict without it as old.
+            staged = copy.copy(value)
+            for k, v in value.items():
+                staged[k] = self.value(v, (*path, k))
+            return staged
         if type(value) in (list, tuple):  # pylint: disable=unidiomatic-typecheck
             return type(value)(self.value(v, (*path, i)) for i, v in enumerate(value))
         if isinstance(value, tuple) and hasattr(type(value), "_fields"):  # a namedtuple

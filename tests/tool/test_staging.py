@@ -1178,6 +1178,50 @@ class _MeetingTorch:
         return tensor
 
 
+class _Versioned(torch.nn.Module):
+    """A module of state dict version 2, which notes the version that each load gives it
+    (load_state_dict() passes None for a state dict without _metadata: an old one)."""
+
+    _version = 2
+
+    def __init__(self):
+        super().__init__()
+        self.w = torch.nn.Parameter(torch.zeros(4))
+        self.seen = []
+
+    def _load_from_state_dict(self, state_dict, prefix, local_metadata, *args):
+        self.seen.append(local_metadata.get("version"))
+        super()._load_from_state_dict(state_dict, prefix, local_metadata, *args)
+
+
+@pytest.mark.parametrize("call", ["load_template", "stage"])
+def test_a_staged_or_template_dict_keeps_its_type_and_metadata(tmp_path, call):
+    """A module's state dict (an OrderedDict with _metadata, the modules' versions) keeps
+    its type and _metadata in a template and in a staging: a model loaded from the template
+    is given its version, as from DCP's own template (the caller's dict), where a plain dict
+    would have load_state_dict() take the checkpoint as one of an old version."""
+    source = _Versioned()
+    with torch.no_grad():
+        source.w.add_(1)
+    dcp.save({"model": source.state_dict()}, checkpoint_id=tmp_path, no_dist=True)
+    model = _Versioned()
+    state = model.state_dict()
+    stager = CheckpointStager()
+    if call == "stage":
+        staged = stager.stage({"model": state})
+        assert type(staged["model"]) is collections.OrderedDict
+        assert staged["model"]._metadata == state._metadata
+        stager.close()
+        return
+    template = stager.load_template({"model": state})
+    assert type(template["model"]) is collections.OrderedDict
+    assert template["model"]._metadata == state._metadata
+    dcp.load(template, storage_reader=ParallelFileSystemReader(tmp_path), no_dist=True)
+    model.load_state_dict(template["model"])
+    assert model.seen == [2] and torch.equal(model.w, source.w)
+    stager.close()
+
+
 def test_load_template_makes_the_buffers_it_lacks_at_once_by_several_threads(monkeypatch):
     """The buffers of a template that the stager lacks are made before its walk by its
     allocation threads, several at once (the first four allocations wait for each other),
