@@ -104,11 +104,7 @@ class BufferCache:
             ) as pool:
                 made = list(pool.map(make, missing.values()))
         else:
-            made = []
-            for spec in missing.values():
-                made.append(make(spec))
-                if made[-1] is None:
-                    break
+            made = list(map(make, missing.values()))
         if any(b is None for b in made):
             return 0
         self._entries.update((path, (b, None)) for path, b in zip(missing, made))

@@ -228,8 +228,9 @@ class PinnedStager(AsyncStager):
     def load_template(self, state_dict):
         """`state_dict` (as for ``dcp.async_save``) with each tensor that the stager would copy
         replaced by its buffer (those the stager lacks made by 8 threads at once), filled with
-        that tensor's value (as ``stage()`` fills it): the template for ``dcp.load``, with no second copy in host memory, and then the buffers the next
-        checkpoint reuses once the template is dropped (while it, or a tensor that a load kept of
+        that tensor's value (as ``stage()`` fills it): the template for ``dcp.load``, with no
+        second copy in host memory, and then the buffers the next checkpoint reuses once the
+        template is dropped (while it, or a tensor that a load kept of
         it, is alive, the next checkpoint takes new ones). A tensor that the load does not fill
         (``allow_partial_load``) keeps the state dict's value. An :meth:`optimizer_snapshot` in it
         gives the optimizer state dict as ``get_optimizer_state_dict`` does, its states in FP32
