@@ -66,8 +66,8 @@ class CheckpointStager(PinnedStager):  # pylint: disable=missing-class-docstring
 
         Arguments:
             model (torch.nn.Module): as for ``get_optimizer_state_dict``; not FSDP1.
-            optimizer (FusedAdam): a TE ``FusedAdam`` (not a subclass that overrides
-                ``state_dict()``) that has taken a step (in :meth:`load_template`, one
+            optimizer (FusedAdam): a TE ``FusedAdam`` (whose ``state_dict()`` neither a
+                subclass nor the object itself replaces) that has taken a step (in :meth:`load_template`, one
                 without states gets them as ``get_optimizer_state_dict`` makes them).
             options (StateDictOptions, optional): as for ``get_optimizer_state_dict``, but
                 not ``full_state_dict`` (it would gather values not copied yet); leave
@@ -99,6 +99,11 @@ class CheckpointStager(PinnedStager):  # pylint: disable=missing-class-docstring
             raise TypeError(
                 f"CheckpointStager.optimizer_snapshot(): {type(optimizer).__name__} overrides "
                 "state_dict(), which the snapshot would not follow"
+            )
+        if "state_dict" in vars(optimizer):  # a wrapper set on the object itself
+            raise TypeError(
+                "CheckpointStager.optimizer_snapshot(): the optimizer's state_dict is replaced "
+                "on the object, which the snapshot would not follow"
             )
         if any(isinstance(m, FullyShardedDataParallel) for m in model.modules()):
             raise ValueError(
@@ -196,8 +201,8 @@ def _copy_state(optimizer, param, key, path, buffer, bf16, walk, stream):
         # BF16 as it is (skip_unscale: widened on the host); FP16 and FP8 unscaled to FP32,
         # FP32 and int16 as they are.
         value = optimizer.get_unscaled_state(param, key, skip_unscale=bf16)
-        expected = (torch.bfloat16,) if bf16 else (torch.float32, torch.int16)
-        if value.dtype not in expected or value.shape != buffer.shape:
+        expected = torch.bfloat16 if bf16 else buffer.dtype  # FP32, or int16 remainders
+        if value.dtype != expected or value.shape != buffer.shape:
             raise RuntimeError(
                 "CheckpointStager.optimizer_snapshot(): get_unscaled_state() gave "
                 f"{value.dtype} {tuple(value.shape)} for {name(path)}, a buffer of "

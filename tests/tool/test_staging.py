@@ -308,8 +308,8 @@ class FusedAdamWithItsOwnStateDict(FusedAdamLike):
 def test_an_optimizer_snapshot_refuses_to_be_copied_or_misconfigured():
     """The snapshot is for its stager's stage(): pickling or deep-copying it (as dcp.save and
     other stagers do with values they do not know) raises; so do full_state_dict, an
-    optimizer other than TE's FusedAdam, and a subclass whose state_dict() the snapshot would
-    not follow."""
+    optimizer other than TE's FusedAdam, and a subclass or an object whose state_dict() the
+    snapshot would not follow."""
     stager = CheckpointStager()
     params = [torch.nn.Parameter(torch.zeros(2))]
     model = torch.nn.Linear(2, 2)
@@ -326,6 +326,11 @@ def test_an_optimizer_snapshot_refuses_to_be_copied_or_misconfigured():
         stager.optimizer_snapshot(model, torch.optim.SGD(params, lr=0.1))
     with pytest.raises(TypeError, match="FusedAdamWithItsOwnStateDict overrides state_dict"):
         stager.optimizer_snapshot(model, FusedAdamWithItsOwnStateDict(params, lr=0.1))
+    wrapped = FusedAdamLike(params, lr=0.1)
+    export = wrapped.state_dict
+    wrapped.state_dict = lambda: dict(export(), extra=1)  # as framework wrappers do
+    with pytest.raises(TypeError, match="state_dict is replaced on the object"):
+        stager.optimizer_snapshot(model, wrapped)
     stager.close()
 
 
@@ -440,6 +445,26 @@ def test_optimizer_snapshot_is_the_export_through_dcp_with_every_option(flatten,
     gc.collect()
     assert probe() is None  # the stager does not keep the optimizer
     other.close()
+
+
+class IntMasterFusedAdam(StandInFusedAdam):
+    """get_unscaled_state() gives int16 for a master copy the export has in FP32."""
+
+    def get_unscaled_state(self, param, state_name, skip_unscale=False):
+        state = super().get_unscaled_state(param, state_name, skip_unscale)
+        return state.to(torch.int16) if state_name == "master_param" else state
+
+
+@pytest.mark.usefixtures("stand_in_stream")
+def test_a_state_of_another_dtype_than_its_buffer_is_refused():
+    """A state that get_unscaled_state() gives in another dtype than the export's (int16 for
+    an FP32 buffer) raises instead of landing, as bytes, in a part of the buffer."""
+    model = torch.nn.Linear(8, 4)
+    stager = StandIn()
+    snapshot = stager.optimizer_snapshot(model, IntMasterFusedAdam(model.parameters()))
+    with pytest.raises(RuntimeError, match="gave torch.int16 .* a buffer of torch.float32"):
+        stager.stage({"optim": snapshot})
+    stager.close()
 
 
 @pytest.mark.usefixtures("stand_in_stream")
