@@ -67,8 +67,9 @@ class CheckpointStager(PinnedStager):  # pylint: disable=missing-class-docstring
         Arguments:
             model (torch.nn.Module): as for ``get_optimizer_state_dict``; not FSDP1.
             optimizer (FusedAdam): a TE ``FusedAdam`` (whose ``state_dict()`` neither a
-                subclass nor the object itself replaces) that has taken a step (in :meth:`load_template`, one
-                without states gets them as ``get_optimizer_state_dict`` makes them).
+                subclass nor the object itself replaces) that has taken a step (in
+                :meth:`load_template`, one without states gets them as
+                ``get_optimizer_state_dict`` makes them).
             options (StateDictOptions, optional): as for ``get_optimizer_state_dict``, but
                 not ``full_state_dict`` (it would gather values not copied yet); leave
                 ``cpu_offload`` off (the stager copies).
