@@ -26,7 +26,7 @@ def main():
         optimizer.initialize_state(param, False)
     names = ("exp_avg", "exp_avg_sq")
     values = [torch.randn(ELEMENTS) for _ in range(LAYERS * len(names))]
-    row, first = {"te": transformer_engine.__file__.rsplit("/", 3)[0]}, None
+    row, first = {"te": transformer_engine.__file__.rsplit("/", 2)[0]}, None  # its site dir
     bitwise = True
     for memory in ("pinned", "pageable"):
         sources = [v.pin_memory() for v in values] if memory == "pinned" else values
