@@ -18,6 +18,15 @@ FUSED_ADAM = "transformer_engine/pytorch/optimizers/fused_adam.py"
 FUSED_SGD = "transformer_engine/pytorch/optimizers/fused_sgd.py"
 DOCS_PAGE = "docs/features/other_optimizations/fused_adam_state_dict_offload.rst"
 
+# The last line of a script that a test runs in a process of its own on a gloo group, after
+# dist.destroy_process_group(): the process ends without finalizing the interpreter. Gloo's
+# worker threads outlive destroy_process_group() and may drop a collective's last tensor while
+# the interpreter finalizes; taking the GIL then aborts the process ("terminate called without
+# an active exception", exit -6: once in CI, after README.md:96's dcp.save; see
+# pytorch/pytorch#179291). What the script did has run; the stager's exit hook is tested with
+# scripts that end without a process group (test_staging.py).
+EXIT_WITHOUT_FINALIZING = "sys.stdout.flush(); sys.stderr.flush(); os._exit(0)"
+
 
 def release_patches(patches=None):
     """The patches (default: those that patches/series lists) that change files under the

@@ -17,7 +17,7 @@ import zipfile
 from dataclasses import dataclass
 
 import pytest
-from support import FUSED_ADAM, REPO, purelib, release_wheel
+from support import EXIT_WITHOUT_FINALIZING, FUSED_ADAM, REPO, purelib, release_wheel
 
 from te_fusedadam_offload import upstream
 
@@ -132,9 +132,9 @@ def test_python_block_compiles_and_imports_what_it_uses(block):
 
 # What a snippet that uses the user's objects gets: a CPU model, torch.optim.Adam standing in
 # for TE's FusedAdam (its states exist: one step), a training step that changes both, a new
-# directory, a one-process gloo group.
+# directory, a one-process gloo group; the process then ends as EXIT_WITHOUT_FINALIZING says.
 PRELUDE = """
-import runpy, sys, tempfile
+import os, sys, tempfile
 import torch
 import torch.distributed as dist
 
@@ -155,6 +155,7 @@ given = {"model": model, "optimizer": optimizer, "train_step": train_step, "path
 exec(compile(code, where, "exec"), given)
 dist.destroy_process_group()
 """
+PRELUDE += EXIT_WITHOUT_FINALIZING
 
 
 @pytest.mark.parametrize(

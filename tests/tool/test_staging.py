@@ -20,7 +20,7 @@ import weakref
 import zipfile
 
 import pytest
-from support import REPO
+from support import EXIT_WITHOUT_FINALIZING, REPO
 
 torch = pytest.importorskip("torch")
 
@@ -768,6 +768,7 @@ dcp.async_save(state, checkpoint_id=f"{path}/thread", async_stager=stager,
 stager.close()
 dist.destroy_process_group()
 """
+_PROCESS += EXIT_WITHOUT_FINALIZING
 
 
 @pytest.mark.parametrize("world_size", [1, 2])
