@@ -101,11 +101,7 @@ class CheckpointStager(PinnedStager):  # pylint: disable=missing-class-docstring
                 f"CheckpointStager.optimizer_snapshot(): {type(optimizer).__name__} overrides "
                 "state_dict(), which the snapshot would not follow"
             )
-        if "state_dict" in vars(optimizer):  # a wrapper set on the object itself
-            raise TypeError(
-                "CheckpointStager.optimizer_snapshot(): the optimizer's state_dict is replaced "
-                "on the object, which the snapshot would not follow"
-            )
+        _refuse_replaced_state_dict(optimizer)
         if any(isinstance(m, FullyShardedDataParallel) for m in model.modules()):
             raise ValueError(
                 "CheckpointStager.optimizer_snapshot() does not take FSDP1 models (their "
@@ -139,6 +135,7 @@ class _OptimizerSnapshot(Extension):
                 "an optimizer_snapshot() of another CheckpointStager: pass it to the stager "
                 "whose optimizer_snapshot() made it"
             )
+        _refuse_replaced_state_dict(optimizer)  # also when replaced after the snapshot
         if not optimizer.state:
             if walk.mode != "template":
                 raise RuntimeError(
@@ -158,22 +155,27 @@ class _OptimizerSnapshot(Extension):
             }
             for index, keys in saved["state"].items()
         }
-        # DCP maps the indices to names as it does FusedAdam.state_dict()'s; an instance
-        # attribute of the same name (a wrapper's) is put back afterwards.
-        own = vars(optimizer).get("state_dict")
+        # DCP maps the indices to names as it does FusedAdam.state_dict()'s.
         try:
             optimizer.state_dict = lambda: dict(saved, state=exports)
             state_dict = get_optimizer_state_dict(
                 self.model, optimizer, options=self.options or StateDictOptions()
             )
         finally:
-            if own is None:
-                vars(optimizer).pop("state_dict", None)
-            else:
-                optimizer.state_dict = own
+            vars(optimizer).pop("state_dict", None)
         # The param groups as the rest of a state dict (capturable's GPU step and lr copied
         # on the side stream, CPU tensors at once); the states are in the walk's own buffers.
         return walk.value(state_dict, path)
+
+
+def _refuse_replaced_state_dict(optimizer):
+    """A state_dict set on the optimizer object (a wrapper's), which the snapshot, taking
+    FusedAdam's export, would not follow, raises."""
+    if "state_dict" in vars(optimizer):
+        raise TypeError(
+            "CheckpointStager.optimizer_snapshot(): the optimizer's state_dict is replaced on "
+            "the object, which the snapshot would not follow"
+        )
 
 
 def _export(walk, optimizer, param, key, path):

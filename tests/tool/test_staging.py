@@ -456,6 +456,23 @@ class IntMasterFusedAdam(StandInFusedAdam):
 
 
 @pytest.mark.usefixtures("stand_in_stream")
+def test_a_state_dict_replaced_after_the_snapshot_is_refused_at_stage():
+    """A wrapper set on the optimizer's state_dict after its snapshot was taken is refused at
+    stage(), as one set before is at optimizer_snapshot(): before a copy, the wrapper kept."""
+    model = torch.nn.Linear(8, 4)
+    optimizer = StandInFusedAdam(model.parameters())
+    stager = StandIn()
+    snapshot = stager.optimizer_snapshot(model, optimizer)
+    export = optimizer.state_dict
+    optimizer.state_dict = wrapper = lambda: dict(export(), extra=1)
+    with pytest.raises(TypeError, match="state_dict is replaced on the object"):
+        stager.stage({"optim": snapshot})
+    assert optimizer.state_dict is wrapper
+    assert stager.cached_bytes() == 0
+    stager.close()
+
+
+@pytest.mark.usefixtures("stand_in_stream")
 def test_a_state_of_another_dtype_than_its_buffer_is_refused():
     """A state that get_unscaled_state() gives in another dtype than the export's (int16 for
     an FP32 buffer) raises instead of landing, as bytes, in a part of the buffer."""
