@@ -83,30 +83,7 @@ class CheckpointStager(PinnedStager):  # pylint: disable=missing-class-docstring
             raise RuntimeError(
                 "CheckpointStager.optimizer_snapshot() called after close(); make a new stager"
             )
-        if options is not None and options.full_state_dict:
-            raise ValueError(
-                "CheckpointStager.optimizer_snapshot() does not take full_state_dict: it "
-                "would gather states that are not copied yet"
-            )
-        fused_adam = next(
-            (c for c in type(optimizer).__mro__ if "get_unscaled_state" in vars(c)), None
-        )
-        if fused_adam is None:
-            raise TypeError(
-                "CheckpointStager.optimizer_snapshot() takes a TE FusedAdam, got "
-                f"{type(optimizer).__name__}"
-            )
-        if type(optimizer).state_dict is not fused_adam.state_dict:
-            raise TypeError(
-                f"CheckpointStager.optimizer_snapshot(): {type(optimizer).__name__} overrides "
-                "state_dict(), which the snapshot would not follow"
-            )
-        _refuse_replaced_state_dict(optimizer)
-        if any(isinstance(m, FullyShardedDataParallel) for m in model.modules()):
-            raise ValueError(
-                "CheckpointStager.optimizer_snapshot() does not take FSDP1 models (their "
-                "optimizer state dict reshapes the states); use fully_shard (FSDP2)"
-            )
+        _refuse(model, optimizer, options)
         return _OptimizerSnapshot(self, model, optimizer, options)
 
     def _close_extensions(self):
@@ -135,7 +112,7 @@ class _OptimizerSnapshot(Extension):
                 "an optimizer_snapshot() of another CheckpointStager: pass it to the stager "
                 "whose optimizer_snapshot() made it"
             )
-        _refuse_replaced_state_dict(optimizer)  # also when replaced after the snapshot
+        _refuse(self.model, optimizer, self.options)  # again: they may have changed since
         if not optimizer.state:
             if walk.mode != "template":
                 raise RuntimeError(
@@ -155,26 +132,52 @@ class _OptimizerSnapshot(Extension):
             }
             for index, keys in saved["state"].items()
         }
-        # DCP maps the indices to names as it does FusedAdam.state_dict()'s.
-        try:
-            optimizer.state_dict = lambda: dict(saved, state=exports)
-            state_dict = get_optimizer_state_dict(
-                self.model, optimizer, options=self.options or StateDictOptions()
-            )
-        finally:
-            vars(optimizer).pop("state_dict", None)
+        # DCP maps the indices to names as it does FusedAdam.state_dict()'s, given a stand-in
+        # of the optimizer (its attributes shared) whose state_dict() gives the exports: the
+        # optimizer itself is not changed, for another thread that calls its state_dict().
+        stand_in = object.__new__(type(optimizer))
+        vars(stand_in).update(vars(optimizer))
+        stand_in.state_dict = lambda: dict(saved, state=exports)
+        state_dict = get_optimizer_state_dict(
+            self.model, stand_in, options=self.options or StateDictOptions()
+        )
         # The param groups as the rest of a state dict (capturable's GPU step and lr copied
         # on the side stream, CPU tensors at once); the states are in the walk's own buffers.
         return walk.value(state_dict, path)
 
 
-def _refuse_replaced_state_dict(optimizer):
-    """A state_dict set on the optimizer object (a wrapper's), which the snapshot, taking
-    FusedAdam's export, would not follow, raises."""
-    if "state_dict" in vars(optimizer):
+def _refuse(model, optimizer, options):
+    """Raise for what the snapshot would not follow: at optimizer_snapshot(), and again when
+    it is staged, since the optimizer, its class or the options may change in between."""
+    if options is not None and options.full_state_dict:
+        raise ValueError(
+            "CheckpointStager.optimizer_snapshot() does not take full_state_dict: it "
+            "would gather states that are not copied yet"
+        )
+    # The first class to define get_unscaled_state(): a subclass of it may not change
+    # state_dict(), whatever else it overrides.
+    fused_adam = next(
+        (c for c in reversed(type(optimizer).__mro__) if "get_unscaled_state" in vars(c)), None
+    )
+    if fused_adam is None:
+        raise TypeError(
+            "CheckpointStager.optimizer_snapshot() takes a TE FusedAdam, got "
+            f"{type(optimizer).__name__}"
+        )
+    if type(optimizer).state_dict is not fused_adam.state_dict:
+        raise TypeError(
+            f"CheckpointStager.optimizer_snapshot(): {type(optimizer).__name__} overrides "
+            "state_dict(), which the snapshot would not follow"
+        )
+    if "state_dict" in vars(optimizer):  # a wrapper set on the object itself
         raise TypeError(
             "CheckpointStager.optimizer_snapshot(): the optimizer's state_dict is replaced on "
             "the object, which the snapshot would not follow"
+        )
+    if any(isinstance(m, FullyShardedDataParallel) for m in model.modules()):
+        raise ValueError(
+            "CheckpointStager.optimizer_snapshot() does not take FSDP1 models (their "
+            "optimizer state dict reshapes the states); use fully_shard (FSDP2)"
         )
 
 

@@ -51,6 +51,7 @@ from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 from te_fusedadam_offload.staging import CheckpointStager, ParallelFileSystemReader, widening
 from te_fusedadam_offload.staging import buffers as buffers_module
 from te_fusedadam_offload.staging import reader as reader_module
+from te_fusedadam_offload.staging import snapshot as snapshot_module
 from te_fusedadam_offload.staging import stager as stager_module
 
 sys.path.insert(0, str(REPO / "tests" / "staging"))
@@ -305,11 +306,16 @@ class FusedAdamWithItsOwnStateDict(FusedAdamLike):
         return dict(super().state_dict(), extra=1)
 
 
+class FusedAdamWithItsOwnStateDictAndUnscaling(FusedAdamWithItsOwnStateDict):
+    def get_unscaled_state(self, param, state_name, skip_unscale=False):
+        raise AssertionError("not called before stage()")
+
+
 def test_an_optimizer_snapshot_refuses_to_be_copied_or_misconfigured():
     """The snapshot is for its stager's stage(): pickling or deep-copying it (as dcp.save and
     other stagers do with values they do not know) raises; so do full_state_dict, an
-    optimizer other than TE's FusedAdam, and a subclass or an object whose state_dict() the
-    snapshot would not follow."""
+    optimizer other than TE's FusedAdam, and a subclass (also one that overrides
+    get_unscaled_state() as well) or an object whose state_dict() the snapshot would not follow."""
     stager = CheckpointStager()
     params = [torch.nn.Parameter(torch.zeros(2))]
     model = torch.nn.Linear(2, 2)
@@ -326,6 +332,8 @@ def test_an_optimizer_snapshot_refuses_to_be_copied_or_misconfigured():
         stager.optimizer_snapshot(model, torch.optim.SGD(params, lr=0.1))
     with pytest.raises(TypeError, match="FusedAdamWithItsOwnStateDict overrides state_dict"):
         stager.optimizer_snapshot(model, FusedAdamWithItsOwnStateDict(params, lr=0.1))
+    with pytest.raises(TypeError, match="StateDictAndUnscaling overrides state_dict"):
+        stager.optimizer_snapshot(model, FusedAdamWithItsOwnStateDictAndUnscaling(params, lr=0.1))
     wrapped = FusedAdamLike(params, lr=0.1)
     export = wrapped.state_dict
     wrapped.state_dict = lambda: dict(export(), extra=1)  # as framework wrappers do
@@ -455,20 +463,78 @@ class IntMasterFusedAdam(StandInFusedAdam):
         return state.to(torch.int16) if state_name == "master_param" else state
 
 
+class WrappedFusedAdam(StandInFusedAdam):
+    """A framework's wrapper class, set on an optimizer as its __class__."""
+
+    def state_dict(self):
+        return dict(super().state_dict(), extra=1)
+
+
+def _wrap_state_dict(optimizer, options):
+    export = optimizer.state_dict
+    optimizer.state_dict = lambda: dict(export(), extra=1)
+
+
+def _swap_class(optimizer, options):
+    optimizer.__class__ = WrappedFusedAdam
+
+
+def _full_state_dict(optimizer, options):
+    options.full_state_dict = True
+
+
+@pytest.mark.parametrize(
+    "change, refusal",
+    [
+        (_wrap_state_dict, "state_dict is replaced on the object"),
+        (_swap_class, "WrappedFusedAdam overrides state_dict"),
+        (_full_state_dict, "does not take full_state_dict"),
+    ],
+    ids=["state_dict_on_the_object", "class", "full_state_dict"],
+)
 @pytest.mark.usefixtures("stand_in_stream")
-def test_a_state_dict_replaced_after_the_snapshot_is_refused_at_stage():
-    """A wrapper set on the optimizer's state_dict after its snapshot was taken is refused at
-    stage(), as one set before is at optimizer_snapshot(): before a copy, the wrapper kept."""
+def test_what_changes_after_the_snapshot_is_refused_at_stage(change, refusal):
+    """What optimizer_snapshot() refuses is refused at stage() too when it comes after the
+    snapshot was taken (a wrapper set on the object, a wrapper class, full_state_dict set on
+    the options): before a copy, the change kept, nothing cached."""
     model = torch.nn.Linear(8, 4)
     optimizer = StandInFusedAdam(model.parameters())
+    options = StateDictOptions()
     stager = StandIn()
-    snapshot = stager.optimizer_snapshot(model, optimizer)
-    export = optimizer.state_dict
-    optimizer.state_dict = wrapper = lambda: dict(export(), extra=1)
-    with pytest.raises(TypeError, match="state_dict is replaced on the object"):
+    snapshot = stager.optimizer_snapshot(model, optimizer, options=options)
+    change(optimizer, options)
+    changed = dict(vars(optimizer)), type(optimizer)
+    with pytest.raises((TypeError, ValueError), match=refusal):
         stager.stage({"optim": snapshot})
-    assert optimizer.state_dict is wrapper
+    assert (vars(optimizer), type(optimizer)) == changed
     assert stager.cached_bytes() == 0
+    stager.close()
+
+
+@pytest.mark.usefixtures("stand_in_stream")
+def test_the_snapshot_leaves_the_optimizers_state_dict_as_it_is_while_it_stages(monkeypatch):
+    """While DCP makes the snapshot's state dict, the optimizer's own state_dict() (another
+    thread may call it) is FusedAdam's export, not the snapshot's buffers: DCP is given a
+    stand-in of the optimizer."""
+    model = torch.nn.Linear(8, 4)
+    optimizer = StandInFusedAdam(model.parameters())
+    expected = optimizer.state_dict()
+    seen, dcp_own = [], snapshot_module.get_optimizer_state_dict
+
+    def get_optimizer_state_dict(model, given, options):
+        seen.append((given is optimizer, optimizer.state_dict()))
+        return dcp_own(model, given, options=options)
+
+    monkeypatch.setattr(snapshot_module, "get_optimizer_state_dict", get_optimizer_state_dict)
+    stager = StandIn()
+    staged = stager.stage({"optim": stager.optimizer_snapshot(model, optimizer)})
+    ((given_itself, during),) = seen
+    assert not given_itself and "state_dict" not in vars(optimizer)
+    assert during.keys() == expected.keys() and during["param_groups"] == expected["param_groups"]
+    for index, states in expected["state"].items():
+        for key, value in states.items():
+            assert torch.equal(during["state"][index][key], value), (index, key)
+    assert staged["optim"]["state"].keys() == {"weight", "bias"}
     stager.close()
 
 
